@@ -1,0 +1,244 @@
+"""What a version holds, together: model, optimizer, sampler, accountant, ring, RNGs.
+
+A snapshot copies the trainer's state into host memory (only the ring slots new since
+the parent version); a background thread writes it and commits. At most one
+checkpoint is in flight, so memory stays bounded by one snapshot.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from state import ArrayMeta, Manifest, Store, Version, hooks
+
+from .noise import generator_backend
+from .trainer import DPTrainer
+
+__all__ = ["Checkpointer", "Snapshot", "restore_trainer_state"]
+
+log = logging.getLogger("cocoon_ckpt.checkpoint")
+
+THREAT_MODEL_DEFAULT = "intermediate_iterates"
+"""Every version carries full noise state: secure against an adversary who sees every
+intermediate model (the standard BandMF guarantee)."""
+
+
+def _ring_name(shard: int, step: int) -> str:
+    return f"ring/shard-{shard:04d}/w-{step:08d}"
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().contiguous().numpy().copy()
+
+
+@dataclass(kw_only=True, slots=True)
+class Snapshot:
+    """A host-memory copy of one checkpoint, ready to be written."""
+
+    step: int
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    references: dict[str, ArrayMeta] = field(default_factory=dict)
+    records: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+def take_snapshot(
+    trainer: DPTrainer, parent: Manifest | None, extra_records: dict[str, Any]
+) -> Snapshot:
+    """Copy the trainer's state; ring slots the parent already holds are referenced."""
+    snap = Snapshot(step=trainer.step_index)
+    for name, t in trainer.model.state_dict().items():
+        snap.arrays[f"model/{name}"] = _to_numpy(t)
+    opt = trainer.optimizer.state_dict()
+    opt_record: dict[str, Any] = {"param_groups": opt["param_groups"], "state": {}}
+    for idx, st in opt["state"].items():
+        rec: dict[str, Any] = {}
+        for key, val in st.items():
+            if isinstance(val, torch.Tensor):
+                snap.arrays[f"optim/{idx}/{key}"] = _to_numpy(val)
+                rec[key] = {"array": f"optim/{idx}/{key}"}
+            else:
+                rec[key] = {"value": val}
+        opt_record["state"][str(idx)] = rec
+    snap.arrays["rng/torch"] = _to_numpy(torch.get_rng_state())
+    np_state = np.random.get_state()
+    snap.arrays["rng/numpy"] = np.asarray(np_state[1])
+    py_state = random.getstate()
+    noise = trainer.noise
+    slots = []
+    for slot, step in enumerate(noise.slot_steps):
+        if step is None:
+            continue
+        name = _ring_name(0, step)
+        slots.append([slot, step, name])
+        if parent is not None and step < parent.step and name in parent.arrays:
+            snap.references[name] = parent.arrays[name]
+        else:
+            snap.arrays[name] = noise.ring[slot].numpy().copy()
+    snap.records.update(
+        {
+            "trainer": {"step": trainer.step_index},
+            "optimizer": opt_record,
+            "sampler": trainer.sampler.state_dict(),
+            "accountant": trainer.accountant.state_dict(),
+            "mechanism": trainer.mechanism.state_dict(),
+            "noise": {
+                "t": noise.t,
+                "dim": trainer.dim,
+                "dtype": str(noise.dtype).removeprefix("torch."),
+                "head": (noise.t % (trainer.mechanism.bands - 1))
+                if trainer.mechanism.bands > 1
+                else 0,
+                "shards": [
+                    {"start": noise.start, "stop": noise.stop, "tier": "host", "slots": slots}
+                ],
+                "history_bytes": noise.history_bytes(),
+            },
+            "generator": generator_backend(),
+            "rng": {
+                "numpy": {
+                    "kind": np_state[0],
+                    "pos": int(np_state[2]),
+                    "has_gauss": int(np_state[3]),
+                    "cached_gaussian": float(np_state[4]),
+                },
+                "python": [py_state[0], list(py_state[1]), py_state[2]],
+            },
+            "param_names": trainer.param_names,
+            **extra_records,
+        }
+    )
+    return snap
+
+
+def restore_trainer_state(trainer: DPTrainer, version: Version) -> None:
+    """Load a committed version into `trainer` (verified arrays, then every record)."""
+    rec = version.records
+    model_state = {
+        name[len("model/") :]: torch.from_numpy(version.array(name).copy())
+        for name in version.array_names()
+        if name.startswith("model/")
+    }
+    opt_state: dict[str, Any] = {"param_groups": rec["optimizer"]["param_groups"], "state": {}}
+    for idx, st in rec["optimizer"]["state"].items():
+        opt_state["state"][int(idx)] = {
+            key: torch.from_numpy(version.array(v["array"]).copy()) if "array" in v else v["value"]
+            for key, v in st.items()
+        }
+    nrec = rec["noise"]
+    (shard,) = nrec["shards"]
+    ring = torch.zeros_like(trainer.noise.ring)
+    slot_steps: list[int | None] = [None] * ring.shape[0]
+    for slot, step, name in shard["slots"]:
+        ring[slot] = torch.from_numpy(version.array(name).copy())
+        slot_steps[slot] = step
+    trainer.load_state_dict(
+        {
+            "kind": "DPTrainer",
+            "schema_version": 1,
+            "step": rec["trainer"]["step"],
+            "model": model_state,
+            "optimizer": opt_state,
+            "noise": {
+                "kind": "CorrelatedNoise",
+                "schema_version": 1,
+                "t": nrec["t"],
+                "start": shard["start"],
+                "stop": shard["stop"],
+                "dtype": nrec["dtype"],
+                "slot_steps": slot_steps,
+                "ring": ring,
+            },
+            "sampler": rec["sampler"],
+            "accountant": rec["accountant"],
+            "rng": {"torch": torch.from_numpy(version.array("rng/torch").copy())},
+        }
+    )
+    npr = rec["rng"]["numpy"]
+    np.random.set_state(
+        (
+            npr["kind"],
+            version.array("rng/numpy").copy(),
+            npr["pos"],
+            npr["has_gauss"],
+            npr["cached_gaussian"],
+        )
+    )
+    py = rec["rng"]["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+
+
+class Checkpointer:
+    """Writes versions of a trainer's state to a store, optionally in the background.
+
+    Args:
+        store: an open store whose lease this process holds.
+        async_write: write in a background thread while training goes on.
+        keep_last: retention after each commit (>= 2).
+    """
+
+    def __init__(self, store: Store, *, async_write: bool = True, keep_last: int = 3) -> None:
+        self.store = store
+        self.async_write = async_write
+        self.keep_last = keep_last
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt")
+        self._inflight: concurrent.futures.Future[Manifest] | None = None
+        self.last: Manifest | None = None
+        self.bytes_written = 0
+
+    def set_parent(self, manifest: Manifest | None) -> None:
+        self.last = manifest
+
+    def save(self, trainer: DPTrainer, extra_records: dict[str, Any]) -> None:
+        """Snapshot now; write (in the background when async) and commit."""
+        self.wait()  # at most one in flight: bounded memory, ordered versions
+        snap = take_snapshot(trainer, self.last, extra_records)
+        if self.async_write:
+            self._inflight = self._pool.submit(self._write, snap)
+        else:
+            self._write(snap)
+
+    def wait(self) -> Manifest | None:
+        """Block until the in-flight checkpoint is committed; re-raise its error."""
+        if self._inflight is not None:
+            fut, self._inflight = self._inflight, None
+            fut.result()
+        return self.last
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def _write(self, snap: Snapshot) -> Manifest:
+        hooks.point("checkpoint.async_flush", step=snap.step)
+        parent = self.last
+        txn = self.store.begin(snap.step, parent=parent.version if parent else None)
+        for name, arr in snap.arrays.items():
+            txn.put_array(name, arr)
+        for name, meta in snap.references.items():
+            txn.reference(name, meta)
+        for name, rec in snap.records.items():
+            txn.put_record(name, rec)
+        manifest = txn.commit()
+        self.bytes_written += txn.bytes_written
+        self.last = manifest
+        self.store.retain(keep_last=self.keep_last, newest_valid=manifest.version)
+        log.info(
+            "committed version %d at step %d (%d bytes)",
+            manifest.version,
+            snap.step,
+            txn.bytes_written,
+        )
+        return manifest

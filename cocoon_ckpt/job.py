@@ -1,0 +1,263 @@
+"""Run a resumable private job against a store; export its final model.
+
+Running the same job against a store that has versions resumes from the newest valid
+one, and the result is bit-identical to an uninterrupted run (I3).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from state import Store, StoreError, Version
+
+from . import config as cfgmod
+from .checkpoint import THREAT_MODEL_DEFAULT, Checkpointer, restore_trainer_state
+from .config import JobConfig
+from .errors import ConfigMismatchError, NoiseKeyError
+from .jobs import JobParts, resolve
+from .noise import check_generator_backend
+from .trainer import DPTrainer, StepResult
+
+__all__ = ["RunResult", "export_model", "key_id", "run_job"]
+
+log = logging.getLogger("cocoon_ckpt.job")
+KEY_SECRET = "noise.key"
+
+
+def key_id(key: bytes) -> str:
+    """A public id of the noise key (keyed hash): tells keys apart, reveals nothing."""
+    return hashlib.blake2b(b"cocoon-key-id", key=key, digest_size=8).hexdigest()
+
+
+def _load_key(store: Store, key_file: str | None, *, create: bool) -> bytes:
+    if key_file is not None:
+        if os.path.exists(key_file):
+            with open(key_file, "rb") as f:
+                key = f.read()
+            if len(key) != 32:
+                raise NoiseKeyError(f"key file {key_file} holds {len(key)} bytes, not 32")
+            return key
+        if not create:
+            raise NoiseKeyError(f"key file {key_file} does not exist; name the job's key file")
+        key = secrets.token_bytes(32)
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
+            f.flush()
+            os.fsync(f.fileno())
+        return key
+    key = store.get_secret(KEY_SECRET)
+    if key is None:
+        if not create:
+            raise NoiseKeyError(
+                f"{store.url} has no noise key (secret/{KEY_SECRET}); it was kept in a key "
+                "file: pass --key-file / key_file="
+            )
+        key = secrets.token_bytes(32)
+        store.put_secret(KEY_SECRET, key)
+    return key
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    """How a run ended."""
+
+    steps_done: int
+    resumed_from: int | None
+    """Step of the version the run resumed from (None for a fresh start)."""
+    epsilon: float
+    version: int | None
+    """Newest committed version."""
+
+
+def build_trainer(
+    config: JobConfig, key: bytes, builder: Callable[..., JobParts] | None = None
+) -> DPTrainer:
+    parts = (builder or resolve(config.job))(config)
+    return DPTrainer(parts.model, parts.optimizer, parts.loss_fn, parts.data, config.dp, key)
+
+
+def model_shapes(trainer: DPTrainer) -> dict[str, list[int]]:
+    return {k: list(v.shape) for k, v in trainer.model.state_dict().items()}
+
+
+def run_job(
+    config: JobConfig,
+    store_url: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    builder: Callable[..., JobParts] | None = None,
+    key_file: str | None = None,
+    takeover: bool = False,
+    allow_fallback: bool = False,
+    allow_generator_change: bool = False,
+    on_step: Callable[[StepResult, DPTrainer], None] | None = None,
+    stop_after: int | None = None,
+    fs: Any = None,
+) -> RunResult:
+    """Train `config` to completion (or `stop_after` steps), checkpointing to the store.
+
+    Args:
+        config: the job.
+        store_url: where its versions live (local path or fsspec URL).
+        storage_options: fsspec options for the URL.
+        builder: the job builder (resolved from `config.job` by default).
+        key_file: keep the noise key in this file (0600) instead of the store.
+        takeover: take the writer lease even if its holder looks alive.
+        allow_fallback: resume from an older version if the newest is damaged.
+        allow_generator_change: resume although the generator backend differs (I3 lost).
+        on_step: called after each step (progress bars).
+        stop_after: stop once this many steps are done (tests, benchmarks).
+        fs: an fsspec filesystem to use for the store (fault injection).
+
+    Raises:
+        ConfigMismatchError: the store belongs to a job with another configuration.
+        LeaseHeldError: another writer is running.
+        CorruptVersionError: the newest version is damaged and fallback is off.
+    """
+    store = Store.open(store_url, storage_options=storage_options, fs=fs)
+    store.acquire_lease(takeover=takeover)
+    ckpt: Checkpointer | None = None
+    try:
+        latest = store.latest(allow_fallback=allow_fallback)
+        key = _load_key(store, key_file, create=latest is None)
+        trainer = build_trainer(config, key, builder)
+        shapes = model_shapes(trainer)
+        record = config.to_record()
+        fp = cfgmod.fingerprint(record, shapes)
+        resumed_from = None
+        if latest is not None:
+            _check_compatible(store, latest, record, shapes, key, allow_generator_change)
+            restore_trainer_state(trainer, latest)
+            resumed_from = latest.step
+            log.info(
+                "resuming %s from version %d (step %d)", store.url, latest.version, latest.step
+            )
+        ckpt = Checkpointer(store, async_write=config.async_checkpoint, keep_last=config.keep_last)
+        ckpt.set_parent(latest.manifest if latest else None)
+        extra = {
+            "config": record,
+            "fingerprint": fp,
+            "model_shapes": shapes,
+            "key_id": key_id(key),
+            "key_location": "key_file" if key_file else f"store:secret/{KEY_SECRET}",
+            "threat_model": THREAT_MODEL_DEFAULT,
+        }
+        limit = config.dp.steps if stop_after is None else min(stop_after, config.dp.steps)
+        while trainer.step_index < limit:
+            res = trainer.train_step()
+            if on_step is not None:
+                on_step(res, trainer)
+            at_end = trainer.step_index == config.dp.steps
+            if trainer.step_index % config.checkpoint_every == 0 or at_end:
+                ckpt.save(trainer, {**extra, "complete": at_end})
+        last = ckpt.wait()
+        return RunResult(
+            steps_done=trainer.step_index,
+            resumed_from=resumed_from,
+            epsilon=trainer.epsilon(),
+            version=last.version if last else None,
+        )
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+        store.release_lease()
+
+
+def _check_compatible(
+    store: Store,
+    latest: Version,
+    record: dict[str, Any],
+    shapes: dict[str, list[int]],
+    key: bytes,
+    allow_generator_change: bool,
+) -> None:
+    rec = latest.records
+    cfgmod.check_resume(
+        rec["config"],
+        record,
+        rec["model_shapes"],
+        shapes,
+        f"{store.url} (version {latest.version})",
+    )
+    if rec.get("key_id") != key_id(key):
+        raise NoiseKeyError(
+            f"{store.url}: the noise key given does not match the key of version "
+            f"{latest.version}; resuming would add unrelated noise. Use the job's own key"
+        )
+    check_generator_backend(rec["generator"], allow_change=allow_generator_change)
+
+
+def export_model(
+    store_url: str,
+    out: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    allow_incomplete: bool = False,
+) -> dict[str, Any]:
+    """Write the final model's state_dict (no noise state) and a privacy report beside it.
+
+    Returns:
+        The privacy report (also written to `<out>.privacy.json`).
+
+    Raises:
+        StoreError: the store has no version, or the job is not complete.
+    """
+    store = Store.open(store_url, storage_options=storage_options, create=False)
+    latest = store.latest()
+    if latest is None:
+        raise StoreError(f"{store_url} has no committed version to export; run the job first")
+    rec = latest.records
+    if not rec.get("complete") and not allow_incomplete:
+        raise StoreError(
+            f"{store_url}: the job is at step {latest.step} of {rec['config']['dp']['steps']}; "
+            "export needs a complete job (finish it, or pass allow_incomplete=True)"
+        )
+    state = {
+        name[len("model/") :]: torch.from_numpy(latest.array(name).copy())
+        for name in latest.array_names()
+        if name.startswith("model/")
+    }
+    torch.save(state, out)
+    dp = rec["config"]["dp"]
+    report = {
+        "epsilon": rec["accountant"]["epsilon"],
+        "delta": dp["delta"],
+        "mechanism": rec["mechanism"]["mechanism"],
+        "bands": dp["bands"],
+        "steps": latest.step,
+        "noise_multiplier": dp["noise_multiplier"],
+        "max_grad_norm": dp["max_grad_norm"],
+        "threat_model": rec.get("threat_model", THREAT_MODEL_DEFAULT),
+        "accounting": "amplified BandMF: Poisson-subsampled Gaussian, q = B b / N, "
+        "ceil(n / b) compositions (dp-accounting PLD)",
+        "source": {
+            "store": store_url,
+            "version": latest.version,
+            "fingerprint": rec["fingerprint"],
+        },
+    }
+    with open(out + ".privacy.json", "w") as f:
+        json.dump(report, f, indent=1)
+    return report
+
+
+def read_config(store_url: str, storage_options: dict[str, Any] | None = None) -> JobConfig:
+    """The JobConfig recorded in a store's newest version."""
+    store = Store.open(store_url, storage_options=storage_options, create=False)
+    versions = store.versions()
+    if not versions:
+        raise StoreError(f"{store_url} has no committed version")
+    return JobConfig.from_record(store.manifest(versions[-1]).records["config"])
+
+
+__all__ += ["ConfigMismatchError", "build_trainer", "read_config"]

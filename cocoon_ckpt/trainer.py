@@ -1,0 +1,226 @@
+"""The DP step: per-sample gradients (torch.func), clipping, correlated noise, update."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from state import hooks
+
+from ._state_dict import check_state
+from .accountant import Accountant
+from .config import DPConfig
+from .errors import UnsupportedModelError
+from .mechanism import BandMF, MechanismKind
+from .noise import CorrelatedNoise
+from .sampler import CyclicPoissonSampler
+
+__all__ = ["DPTrainer", "StepResult", "build_mechanism"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def build_mechanism(config: DPConfig) -> BandMF:
+    """The BandMF mechanism a config asks for."""
+    if config.mechanism is MechanismKind.OPTIMIZED:
+        return BandMF.optimized(config.bands, config.steps)
+    return BandMF.banded_sqrt(config.bands, config.steps)
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one DP step did."""
+
+    step: int
+    """The step index t just taken (0-based)."""
+    loss: float
+    """Mean loss over the sampled batch (nan for an empty batch)."""
+    batch_size: int
+    """How many examples were sampled."""
+
+
+def _check_per_sample(model: nn.Module) -> None:
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.training:
+            raise UnsupportedModelError(
+                f"module {name or type(mod).__name__} is {type(mod).__name__} in training mode: "
+                "it mixes examples within a batch, so per-sample gradients (and DP) do not "
+                "exist; use GroupNorm or LayerNorm, or call .eval() on it"
+            )
+
+
+class DPTrainer:
+    """Trains `model` with b-banded correlated noise.
+
+    Each step: sample the batch of step t, take per-sample gradients with
+    `torch.func.vmap(grad(...))`, clip each to `max_grad_norm`, sum, add w_t (std
+    sigma * clip), divide by the expected batch size, and step the optimizer.
+
+    Args:
+        model: any nn.Module torch.func can take per-sample gradients of.
+        optimizer: a torch optimizer over `model`'s trainable parameters.
+        loss_fn: loss(output, target) -> scalar, mean over its batch dimension.
+        data: tensors indexed by example along dim 0; the last one is the target.
+        config: the privacy configuration.
+        noise_key: 32 secret bytes for the keyed noise.
+        mechanism: the mechanism (built from `config` by default).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        data: Sequence[torch.Tensor],
+        config: DPConfig,
+        noise_key: bytes,
+        mechanism: BandMF | None = None,
+    ) -> None:
+        _check_per_sample(model)
+        if len(data) < 2:
+            raise ValueError("data must hold at least one input tensor and the target tensor")
+        n = int(data[0].shape[0])
+        if any(int(d.shape[0]) != n for d in data):
+            raise ValueError(
+                f"data tensors disagree on the number of examples: {[d.shape[0] for d in data]}"
+            )
+        if n != config.dataset_size:
+            raise ValueError(
+                f"config.dataset_size={config.dataset_size} but data holds {n} examples"
+            )
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.data = list(data)
+        self.config = config
+        self.mechanism = mechanism or build_mechanism(config)
+        self.param_names = [k for k, p in model.named_parameters() if p.requires_grad]
+        params = dict(model.named_parameters())
+        self._shapes = [tuple(params[k].shape) for k in self.param_names]
+        self._sizes = [params[k].numel() for k in self.param_names]
+        self.dim = sum(self._sizes)
+        dtype = {p.dtype for k, p in params.items() if k in self.param_names}
+        if dtype - {torch.float32, torch.float64}:
+            raise UnsupportedModelError(
+                f"trainable parameters must be float32/float64, got {dtype}"
+            )
+        self.noise = CorrelatedNoise(
+            self.mechanism,
+            self.dim,
+            noise_key,
+            config.noise_multiplier * config.max_grad_norm,
+            "float64" if torch.float64 in dtype else "float32",
+        )
+        self.sampler = CyclicPoissonSampler(
+            dataset_size=config.dataset_size,
+            batch_size=config.batch_size,
+            bands=config.bands,
+            seed=config.seed,
+        )
+        self.accountant = Accountant(
+            noise_multiplier=config.noise_multiplier,
+            dataset_size=config.dataset_size,
+            batch_size=config.batch_size,
+            bands=config.bands,
+            delta=config.delta,
+        )
+        self.step_index = 0
+
+        def loss_one(
+            p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], *xy: torch.Tensor
+        ) -> torch.Tensor:
+            inputs = [x.unsqueeze(0) for x in xy[:-1]]
+            out = functional_call(self.model, (p, b), tuple(inputs))
+            return self.loss_fn(out, xy[-1].unsqueeze(0))
+
+        self._per_sample = vmap(
+            grad(loss_one), in_dims=(None, None, *([0] * len(self.data))), randomness="different"
+        )
+
+    @property
+    def done(self) -> bool:
+        return self.step_index >= self.config.steps
+
+    def clipped_sum(self, idx: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Sum of per-sample gradients clipped to max_grad_norm, flattened to (dim,)."""
+        params = {k: p.detach() for k, p in self.model.named_parameters() if k in self.param_names}
+        frozen = {
+            k: p.detach() for k, p in self.model.named_parameters() if k not in self.param_names
+        }
+        buffers = {**dict(self.model.named_buffers()), **frozen}
+        batch = [d[idx] for d in self.data]
+        if len(idx) == 0:
+            return torch.zeros(self.dim, dtype=self.noise.dtype), float("nan")
+        try:
+            grads = self._per_sample(params, buffers, *batch)
+        except RuntimeError as exc:
+            raise UnsupportedModelError(
+                f"torch.func could not take per-sample gradients of {type(self.model).__name__}: "
+                f"{exc}. Models with in-place buffer updates or batch-coupled layers have no "
+                "per-sample path"
+            ) from exc
+        flat = torch.cat([grads[k].reshape(len(idx), -1) for k in self.param_names], dim=1)
+        norms = flat.norm(dim=1)
+        scale = (self.config.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+        with torch.no_grad():
+            out = self.model(*[b for b in batch[:-1]])
+            loss = float(self.loss_fn(out, batch[-1]))
+        return (flat * scale.unsqueeze(1)).sum(dim=0), loss
+
+    def train_step(self) -> StepResult:
+        """Take step t = `step_index` and advance."""
+        if self.done:
+            raise RuntimeError(f"all {self.config.steps} steps are taken")
+        t = self.step_index
+        if self.noise.t != t:
+            raise RuntimeError(f"noise is at step {self.noise.t}, trainer at {t}: state is torn")
+        idx = torch.from_numpy(self.sampler.batch(t))
+        summed, loss = self.clipped_sum(idx)
+        w = self.noise.step()
+        noisy = (summed + w.to(summed.dtype)) / self.config.batch_size
+        for p, g in zip(self._params(), torch.split(noisy, self._sizes), strict=True):
+            p.grad = g.view(p.shape).to(p.dtype).clone()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.accountant.step()
+        self.step_index = t + 1
+        hooks.point("trainer.after_update", step=t)
+        return StepResult(step=t, loss=loss, batch_size=len(idx))
+
+    def _params(self) -> list[nn.Parameter]:
+        params = dict(self.model.named_parameters())
+        return [params[k] for k in self.param_names]
+
+    def epsilon(self) -> float:
+        return self.accountant.epsilon()
+
+    # state -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resume needs, by reference to live tensors (copy before writing)."""
+        return {
+            "kind": "DPTrainer",
+            "schema_version": 1,
+            "step": self.step_index,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "noise": self.noise.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "accountant": self.accountant.state_dict(),
+            "rng": {"torch": torch.get_rng_state()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_state(state, "DPTrainer", 1)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.noise.load_state_dict(state["noise"])
+        if state["sampler"] != self.sampler.state_dict():
+            raise ValueError(f"sampler state {state['sampler']} does not match this job's")
+        self.accountant.load_state_dict(state["accountant"])
+        torch.set_rng_state(state["rng"]["torch"])
+        self.step_index = int(state["step"])

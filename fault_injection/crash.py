@@ -1,0 +1,75 @@
+"""Crash points: raise in-process, or SIGKILL the process for the real thing."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from state import hooks
+
+__all__ = ["ENV_VAR", "CrashPointHit", "arm_from_env", "crash_at", "disarm_all"]
+
+#: `COCOON_CRASH_AT="checkpoint.after_arrays:step=20"` arms a SIGKILL in a subprocess.
+ENV_VAR = "COCOON_CRASH_AT"
+
+
+class CrashPointHit(BaseException):
+    """Raised at an armed crash point in `mode="raise"`. A BaseException, so the code
+    under test cannot swallow it with `except Exception` and carry on."""
+
+    def __init__(self, name: str, ctx: Mapping[str, Any]) -> None:
+        super().__init__(f"crash point {name} hit with {dict(ctx)}")
+        self.name = name
+        self.ctx = dict(ctx)
+
+
+def crash_at(
+    name: str,
+    *,
+    step: int | None = None,
+    mode: Literal["raise", "kill"] = "raise",
+    after_hits: int = 0,
+) -> None:
+    """Arm crash point `name`: the first hit (after `after_hits` earlier ones) whose
+    step matches (any step when None) raises CrashPointHit, or with `mode="kill"`
+    SIGKILLs this process. Disarms itself once fired.
+
+    Raises:
+        KeyError: `name` is not a known crash point (state.hooks.KNOWN_POINTS).
+    """
+    if mode not in ("raise", "kill"):
+        raise ValueError(f"crash_at mode={mode!r} must be 'raise' or 'kill'")
+    remaining = [after_hits]
+
+    def handler(point_name: str, ctx: Mapping[str, Any]) -> None:
+        if step is not None and ctx.get("step") != step:
+            return
+        if remaining[0] > 0:
+            remaining[0] -= 1
+            return
+        hooks.disarm(point_name)
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise CrashPointHit(point_name, ctx)
+
+    hooks.arm(name, handler)
+
+
+def disarm_all() -> None:
+    """Remove every armed crash point."""
+    hooks.disarm_all()
+
+
+def arm_from_env(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Arm SIGKILL crash points listed in COCOON_CRASH_AT (`name[:step=N]`, comma
+    separated). Returns the names armed."""
+    spec = (environ if environ is not None else os.environ).get(ENV_VAR, "")
+    armed = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, arg = item.partition(":")
+        step = int(arg.removeprefix("step=")) if arg else None
+        crash_at(name, step=step, mode="kill")
+        armed.append(name)
+    return armed

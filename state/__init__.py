@@ -1,0 +1,47 @@
+"""`state`: an atomic, versioned array-state store over zarr v3 and fsspec.
+
+Knows arrays, JSON records, versions, checksums, leases and retention; knows nothing
+about privacy or torch.
+"""
+
+from . import hooks
+from .backend import Backend, Capabilities
+from .checksum import array_checksum
+from .errors import (
+    CommitConflictError,
+    CorruptVersionError,
+    FencedError,
+    FormatVersionError,
+    LeaseHeldError,
+    StoreError,
+    StoreNotFoundError,
+    VersionNotFoundError,
+)
+from .lease import Lease
+from .manifest import FORMAT_VERSION, ArrayMeta, Manifest
+from .retry import RetryPolicy, is_transient
+from .store import Store, Transaction, Version
+
+__all__ = [
+    "FORMAT_VERSION",
+    "ArrayMeta",
+    "Backend",
+    "Capabilities",
+    "CommitConflictError",
+    "CorruptVersionError",
+    "FencedError",
+    "FormatVersionError",
+    "Lease",
+    "LeaseHeldError",
+    "Manifest",
+    "RetryPolicy",
+    "Store",
+    "StoreError",
+    "StoreNotFoundError",
+    "Transaction",
+    "Version",
+    "VersionNotFoundError",
+    "array_checksum",
+    "hooks",
+    "is_transient",
+]

@@ -1,0 +1,231 @@
+"""One storage location behind an fsspec URL, with the capabilities the commit needs.
+
+The commit point of a version is the exclusive creation of its manifest, so a backend
+must offer create-if-absent: local disk does it with temp file + fsync + `os.link`
+(link fails if the target exists; rename would silently overwrite), object stores with
+one conditional PUT (`pipe_file(..., mode="create")`, If-None-Match on S3). fsspec's
+rename on object stores is copy + delete and is never used for a commit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import zarr.storage
+from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+
+from .errors import StoreError
+
+__all__ = ["Backend", "Capabilities"]
+
+# Protocols whose create-if-absent is known to be atomic and exclusive.
+_EXCLUSIVE_PROTOCOLS = {"file", "local", "memory", "s3", "s3a"}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Capabilities:
+    """What a backend can do; the commit protocol is chosen from these flags."""
+
+    exclusive_create: bool
+    """Create-if-absent is atomic (required to commit)."""
+    fsync: bool
+    """Files and folders must be fsynced by us to be durable (local disk)."""
+    permissions: bool
+    """POSIX modes apply (owner-only files are meaningful)."""
+
+
+class Backend:
+    """A store root behind an fsspec URL.
+
+    Args:
+        url: a local path, `file://`, `memory://`, `s3://`, or any fsspec URL.
+        storage_options: passed to fsspec (and to zarr for its own async filesystem).
+        fs: an already built filesystem to use instead of resolving `url`'s protocol
+            (the fault injector's wrapper); `url` then names the path inside it.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        fs: fsspec.AbstractFileSystem | None = None,
+    ) -> None:
+        self.storage_options = dict(storage_options or {})
+        if fs is None:
+            fs, root = fsspec.core.url_to_fs(url, **self.storage_options)
+        else:
+            root = fs._strip_protocol(url)
+        self.fs: fsspec.AbstractFileSystem = fs
+        protos = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+        self.protocol: str = protos[0]
+        self.local = self.protocol in ("file", "local")
+        self.root: str = root.rstrip("/") if root != "/" else root
+        self.url = url
+        exclusive = bool(set(protos) & _EXCLUSIVE_PROTOCOLS) or bool(
+            getattr(fs, "cocoon_exclusive_create", False)
+        )
+        self.capabilities = Capabilities(
+            exclusive_create=exclusive, fsync=self.local, permissions=self.local
+        )
+
+    # paths -----------------------------------------------------------------------
+    def path(self, rel: str) -> str:
+        """Absolute path inside the filesystem of `rel` (relative to the root)."""
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def __repr__(self) -> str:
+        return f"Backend({self.url!r})"
+
+    # reads -----------------------------------------------------------------------
+    def exists(self, rel: str) -> bool:
+        return bool(self.fs.exists(self.path(rel)))
+
+    def read_bytes(self, rel: str) -> bytes:
+        data = self.fs.cat_file(self.path(rel))
+        return bytes(data)
+
+    def listdir(self, rel: str) -> list[str]:
+        """Names (not paths) directly under `rel`; empty when it does not exist."""
+        try:
+            entries = self.fs.ls(self.path(rel), detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    def find(self, rel: str) -> list[str]:
+        """Every file under `rel`, as paths relative to the root."""
+        base = self.path(rel)
+        try:
+            found = self.fs.find(base)
+        except FileNotFoundError:
+            return []
+        prefix = self.root.rstrip("/") + "/"
+        return sorted(str(p)[len(prefix) :] for p in found if str(p).startswith(prefix))
+
+    # writes ----------------------------------------------------------------------
+    def makedirs(self, rel: str, *, private: bool = False) -> None:
+        path = self.path(rel)
+        if self.local:
+            os.makedirs(path, mode=0o700 if private else 0o777, exist_ok=True)
+        else:
+            self.fs.makedirs(path, exist_ok=True)
+
+    def write_once(self, rel: str, data: bytes, *, private: bool = False) -> None:
+        """Write a file at a path that is never overwritten once it is referenced.
+
+        Local disk: temp file, fsync, rename into place, fsync the folder, so a crash
+        leaves either nothing or the whole file (plus at most a `.partial` leftover).
+        """
+        if not self.local:
+            self.fs.pipe_file(self.path(rel), data)
+            return
+        final = self.path(rel)
+        parent = os.path.dirname(final)
+        os.makedirs(parent, exist_ok=True)
+        tmp = f"{final}.{uuid.uuid4().hex}.partial"
+        self._write_local_durable(tmp, data, private=private)
+        os.replace(tmp, final)
+        _fsync_dir(parent)
+
+    def create_exclusive(self, rel: str, data: bytes, on_temp_durable: Any = None) -> None:
+        """Create `rel` with `data` only if it does not exist: the commit primitive.
+
+        Raises:
+            FileExistsError: `rel` already exists (someone else's, or ours from a try
+                whose response was lost: the caller reads it back to tell).
+            StoreError: the backend has no atomic exclusive create.
+        """
+        if not self.capabilities.exclusive_create:
+            raise StoreError(
+                f"{self.url}: protocol {self.protocol!r} offers no atomic create-if-absent, "
+                "so a commit cannot be made safe; use a local path, memory:// or s3://"
+            )
+        if not self.local:
+            self.fs.pipe_file(self.path(rel), data, mode="create")
+            return
+        final = self.path(rel)
+        parent = os.path.dirname(final)
+        os.makedirs(parent, exist_ok=True)
+        tmp = f"{final}.{uuid.uuid4().hex}.partial"
+        self._write_local_durable(tmp, data, private=False)
+        try:
+            if on_temp_durable is not None:
+                on_temp_durable()
+            os.link(tmp, final)  # atomic, and fails if `final` exists: never overwrites
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        _fsync_dir(parent)
+
+    def rm(self, rel: str, *, recursive: bool = False) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self.path(rel), recursive=recursive)
+
+    def fsync_tree(self, rel: str) -> None:
+        """fsync every file and folder under `rel` and `rel`'s parents up to the root.
+        zarr never fsyncs; without this a power loss can lose acknowledged chunks."""
+        if not self.capabilities.fsync:
+            return
+        top = self.path(rel)
+        for dirpath, _dirnames, filenames in os.walk(top):
+            for name in filenames:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            _fsync_dir(dirpath)
+        parent = os.path.dirname(top)
+        while len(parent) >= len(self.root):
+            _fsync_dir(parent)
+            if parent == self.root:
+                break
+            parent = os.path.dirname(parent)
+
+    def chmod_private(self, rel: str) -> None:
+        """Owner-only permissions on a local file or folder (0600 / 0700)."""
+        if not self.capabilities.permissions:
+            return
+        path = self.path(rel)
+        os.chmod(path, 0o700 if os.path.isdir(path) else 0o600)
+
+    def zarr_store(self, rel: str) -> zarr.abc.store.Store:
+        """A zarr store rooted at `rel`, for zarr's own reads and writes."""
+        if self.local:
+            return zarr.storage.LocalStore(self.path(rel))
+        if self.protocol in ("s3", "s3a"):
+            # zarr builds its own async s3fs from the URL: handing it our sync instance
+            # breaks on event loops.
+            url = self.url.rstrip("/") + (f"/{rel}" if rel else "")
+            return zarr.storage.FsspecStore.from_url(url, storage_options=self.storage_options)
+        fs = (
+            self.fs
+            if getattr(self.fs, "async_impl", False)
+            else AsyncFileSystemWrapper(self.fs, asynchronous=True)
+        )
+        return zarr.storage.FsspecStore(fs, path=self.path(rel))
+
+    @staticmethod
+    def _write_local_durable(path: str, data: bytes, *, private: bool) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,566 @@
+"""The versioned store: begin a version, put arrays and records, commit atomically."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import fsspec
+import numpy as np
+
+from . import hooks
+from .arrays import read_array, write_array
+from .backend import Backend
+from .checksum import array_checksum
+from .errors import (
+    CommitConflictError,
+    CorruptVersionError,
+    FormatVersionError,
+    StoreError,
+    StoreNotFoundError,
+    VersionNotFoundError,
+)
+from .lease import Lease, acquire_lease, current_holder
+from .manifest import FORMAT_VERSION, ArrayMeta, Manifest, manifest_path
+from .retry import RetryPolicy
+
+__all__ = ["Store", "Transaction", "Version"]
+
+log = logging.getLogger("state.store")
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
+_ATTR = "cocoon_ckpt"
+
+
+def _check_name(name: str) -> None:
+    if not _NAME.match(name) or ".." in name.split("/"):
+        raise ValueError(
+            f"array name {name!r} must be '/'-separated parts of letters, digits, '_', '.', '-'"
+        )
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+class Version:
+    """One committed version, read back. Arrays load on first access and are verified."""
+
+    def __init__(self, store: Store, manifest: Manifest) -> None:
+        self.store = store
+        self.manifest = manifest
+        self._cache: dict[str, np.ndarray] = {}
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+    @property
+    def records(self) -> dict[str, Any]:
+        return self.manifest.records
+
+    def array_names(self) -> list[str]:
+        return sorted(self.manifest.arrays)
+
+    def array(self, name: str) -> np.ndarray:
+        """The array `name`, checked against the manifest's shape, dtype and checksum.
+
+        Raises:
+            KeyError: the version has no array `name`.
+            CorruptVersionError: it is missing, truncated or fails its checksum.
+        """
+        if name in self._cache:
+            return self._cache[name]
+        meta = self.manifest.arrays[name]
+        arr = self.store._read_verified(self.version, meta)
+        self._cache[name] = arr
+        return arr
+
+    def verify(self) -> None:
+        """Read and check every array (raises CorruptVersionError on the first bad one)."""
+        for name in self.array_names():
+            self.array(name)
+
+    def __repr__(self) -> str:
+        return f"Version({self.version}, step={self.step}, arrays={len(self.manifest.arrays)})"
+
+
+class Transaction:
+    """Builds version `version`; nothing is visible until `commit()` writes the manifest."""
+
+    def __init__(self, store: Store, *, version: int, step: int, parent: int | None, lease: Lease):
+        self.store = store
+        self.version = version
+        self.step = step
+        self.parent = parent
+        self.lease = lease
+        self.folder = f"versions/{version:08d}-g{lease.generation}"
+        self._arrays: dict[str, ArrayMeta] = {}
+        self._records: dict[str, Any] = {}
+        self._zstore: Any = None
+        self.bytes_written = 0
+        self.committed: Manifest | None = None
+
+    def put_array(self, name: str, array: np.ndarray) -> ArrayMeta:
+        """Write `array` as part of this version under logical name `name`.
+
+        The write is retried on transient errors: the path is new and write-once, so
+        rewriting it is idempotent.
+        """
+        _check_name(name)
+        if name in self._arrays:
+            raise ValueError(f"version {self.version}: array {name!r} was already put")
+        arr = np.asarray(array, order="C")
+        hooks.point("checkpoint.before_array", step=self.step, version=self.version, name=name)
+        if self._zstore is None:
+            self._zstore = self.store.backend.zarr_store(self.folder)
+        zstore = self._zstore
+
+        def write() -> None:
+            try:
+                write_array(zstore, name, arr)
+            except FileExistsError:
+                # a try whose response was lost left the array: start it afresh
+                self.store.backend.rm(f"{self.folder}/{name}", recursive=True)
+                write_array(zstore, name, arr)
+
+        self.store.retry.call(write)
+        meta = ArrayMeta(
+            path=f"{self.folder}/{name}",
+            shape=tuple(arr.shape),
+            dtype=str(arr.dtype),
+            checksum=array_checksum(arr),
+        )
+        self._arrays[name] = meta
+        self.bytes_written += arr.nbytes
+        hooks.point("checkpoint.after_array", step=self.step, version=self.version, name=name)
+        return meta
+
+    def reference(self, name: str, meta: ArrayMeta) -> None:
+        """Include an array written earlier (an older version's, or shared) by path."""
+        _check_name(name)
+        if name in self._arrays:
+            raise ValueError(f"version {self.version}: array {name!r} was already put")
+        self._arrays[name] = meta
+
+    def put_record(self, name: str, record: Any) -> None:
+        """A small JSON-serialisable record carried inside the manifest."""
+        json.dumps(record)  # fail now, not at commit, on something not serialisable
+        self._records[name] = record
+
+    def commit(self) -> Manifest:
+        """Make the version visible: fsync the arrays, check the lease, create the
+        manifest exclusively. A crash anywhere before the manifest exists leaves the
+        previous version as the newest.
+
+        Raises:
+            FencedError: the lease was taken over.
+            CommitConflictError: another writer created this version number.
+        """
+        if self.committed is not None:
+            return self.committed
+        backend = self.store.backend
+        if self._arrays:
+            backend.fsync_tree(self.folder)
+        hooks.point("checkpoint.after_arrays", step=self.step, version=self.version)
+        self.lease.check()
+        manifest = Manifest(
+            version=self.version,
+            step=self.step,
+            parent=self.parent,
+            created=_now(),
+            write_id=uuid.uuid4().hex,
+            writer=self.lease.as_record(),
+            job_fingerprint=self.store.job_fingerprint,
+            arrays=dict(self._arrays),
+            records=dict(self._records),
+        )
+        data = manifest.to_bytes()
+        path = manifest_path(self.version)
+        hooks.point("checkpoint.before_manifest", step=self.step, version=self.version)
+
+        def create() -> None:
+            try:
+                backend.create_exclusive(
+                    path,
+                    data,
+                    on_temp_durable=lambda: hooks.point(
+                        "checkpoint.after_manifest_temp", step=self.step, version=self.version
+                    ),
+                )
+            except FileExistsError:
+                # Our own earlier try may have landed with its response lost: read back.
+                try:
+                    existing = json.loads(backend.read_bytes(path))
+                except (OSError, ValueError):
+                    existing = {}
+                if existing.get("write_id") != manifest.write_id:
+                    raise CommitConflictError(
+                        f"{backend.url}: version {self.version} was committed by another "
+                        f"writer ({existing.get('writer')}); this commit is refused"
+                    ) from None
+
+        self.store.retry.call(create)
+        self.committed = manifest
+        hooks.point("checkpoint.after_manifest", step=self.step, version=self.version)
+        return manifest
+
+
+class Store:
+    """A cocoon-ckpt store at an fsspec URL.
+
+    Use `Store.open(url)`; then `acquire_lease()` and `begin(step)` to write, or
+    `latest()` / `read(v)` to read.
+    """
+
+    def __init__(self, backend: Backend, *, retry: RetryPolicy | None = None) -> None:
+        self.backend = backend
+        self.retry = retry or RetryPolicy()
+        self.lease: Lease | None = None
+        self.attributes: dict[str, Any] = {}
+
+    # opening ---------------------------------------------------------------------
+    @classmethod
+    def open(
+        cls,
+        url: str,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        create: bool = True,
+        fs: fsspec.AbstractFileSystem | None = None,
+        retry: RetryPolicy | None = None,
+        attributes: dict[str, Any] | None = None,
+    ) -> Store:
+        """Open (and with `create`, initialise) the store at `url`.
+
+        Args:
+            url: local path or fsspec URL.
+            storage_options: fsspec options (credentials, endpoint_url, ...).
+            create: initialise an empty location; otherwise a missing store raises.
+            fs: a filesystem instance to use (e.g. the fault injector's wrapper).
+            retry: retry policy for transient errors.
+            attributes: extra root attributes recorded when the store is created.
+
+        Raises:
+            StoreNotFoundError: nothing is there and `create` is False.
+            FormatVersionError: the store is of a newer format.
+            StoreError: the location holds something that is not a cocoon-ckpt store.
+        """
+        store = cls(Backend(url, storage_options, fs=fs), retry=retry)
+        backend = store.backend
+        try:
+            raw = store.retry.call(lambda: backend.read_bytes("zarr.json"))
+        except FileNotFoundError:
+            raw = None
+        if raw is None:
+            if not create:
+                raise StoreNotFoundError(
+                    f"{url} holds no cocoon-ckpt store (no zarr.json at its root); check the "
+                    "URL, or run a job against it first to create one"
+                )
+            store._initialise(attributes or {})
+        else:
+            store._load_root(raw)
+        return store
+
+    def _initialise(self, attributes: dict[str, Any]) -> None:
+        b = self.backend
+        b.makedirs("", private=True)
+        b.chmod_private("")
+        attrs = {
+            _ATTR: {"format_version": FORMAT_VERSION, "created": _now(), **attributes},
+        }
+        group = {"zarr_format": 3, "node_type": "group", "attributes": {}}
+        for sub in ("versions", "shared"):
+            b.makedirs(sub)
+            if not b.exists(f"{sub}/zarr.json"):
+                b.write_once(f"{sub}/zarr.json", json.dumps(group).encode())
+        b.makedirs("manifests")
+        b.makedirs("leases")
+        root = {"zarr_format": 3, "node_type": "group", "attributes": attrs}
+        # The root metadata goes last: its presence says the skeleton is complete.
+        try:
+            b.create_exclusive("zarr.json", json.dumps(root, indent=1).encode())
+        except FileExistsError:
+            self._load_root(b.read_bytes("zarr.json"))
+            return
+        self.attributes = attrs[_ATTR]
+
+    def _load_root(self, raw: bytes) -> None:
+        try:
+            doc = json.loads(raw)
+            attrs = doc["attributes"][_ATTR]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise StoreError(
+                f"{self.backend.url}: zarr.json is not a cocoon-ckpt store root (no "
+                f"'{_ATTR}' attributes); point at a cocoon-ckpt store or an empty location"
+            ) from exc
+        fv = attrs.get("format_version")
+        if not isinstance(fv, int) or fv > FORMAT_VERSION:
+            raise FormatVersionError(
+                f"{self.backend.url}: store format version {fv!r} is newer than this library "
+                f"reads ({FORMAT_VERSION}); upgrade cocoon-ckpt to open it"
+            )
+        self.attributes = dict(attrs)
+
+    @property
+    def url(self) -> str:
+        return self.backend.url
+
+    @property
+    def job_fingerprint(self) -> str | None:
+        fp = self.attributes.get("job_fingerprint")
+        return str(fp) if fp is not None else None
+
+    # leases ----------------------------------------------------------------------
+    def acquire_lease(self, *, takeover: bool = False) -> Lease:
+        """Become this store's one writer (see `state.lease.acquire_lease`)."""
+        self.lease = acquire_lease(self.backend, takeover=takeover)
+        return self.lease
+
+    def release_lease(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
+    def lease_holder(self) -> dict[str, Any] | None:
+        return current_holder(self.backend)
+
+    # secrets ---------------------------------------------------------------------
+    def put_secret(self, name: str, data: bytes) -> None:
+        """Write an owner-only file `secret/<name>` once (0600 in a 0700 folder)."""
+        _check_name(name)
+        self.backend.makedirs("secret", private=True)
+        self.backend.chmod_private("secret")
+        try:
+            self.backend.create_exclusive(f"secret/{name}", data)
+        except FileExistsError:
+            if self.backend.read_bytes(f"secret/{name}") != data:
+                raise StoreError(
+                    f"{self.url}: secret/{name} exists with other contents; it is never overwritten"
+                ) from None
+        self.backend.chmod_private(f"secret/{name}")
+
+    def get_secret(self, name: str) -> bytes | None:
+        try:
+            return self.backend.read_bytes(f"secret/{name}")
+        except FileNotFoundError:
+            return None
+
+    # shared, job-lifetime arrays -------------------------------------------------
+    def put_shared(self, name: str, array: np.ndarray) -> ArrayMeta:
+        """Write a job-lifetime array under shared/ once; versions reference it."""
+        _check_name(name)
+        arr = np.asarray(array, order="C")
+        zstore = self.backend.zarr_store("shared")
+        self.retry.call(lambda: write_array(zstore, name, arr))
+        self.backend.fsync_tree(f"shared/{name}")
+        return ArrayMeta(
+            path=f"shared/{name}",
+            shape=tuple(arr.shape),
+            dtype=str(arr.dtype),
+            checksum=array_checksum(arr),
+        )
+
+    # versions --------------------------------------------------------------------
+    def versions(self) -> list[int]:
+        """Numbers of every version whose manifest exists, oldest first (unverified)."""
+        out = []
+        for name in self.retry.call(lambda: self.backend.listdir("manifests")):
+            stem = name[:-5] if name.endswith(".json") else ""
+            if stem.isdigit() and len(stem) == 8:
+                out.append(int(stem))
+        return sorted(out)
+
+    def manifest(self, version: int) -> Manifest:
+        """Parse version `version`'s manifest (arrays not checked).
+
+        Raises:
+            VersionNotFoundError: no such version.
+            CorruptVersionError: the manifest is torn or malformed.
+        """
+        try:
+            data = self.retry.call(lambda: self.backend.read_bytes(manifest_path(version)))
+        except FileNotFoundError:
+            have = self.versions()
+            raise VersionNotFoundError(
+                f"{self.url} has no version {version}; it has {_describe(have)}"
+            ) from None
+        return Manifest.from_bytes(data, version=version, where=self.url)
+
+    def read(self, version: int, *, verify: bool = True) -> Version:
+        """Version `version`; with `verify`, every array is read and checked now."""
+        v = Version(self, self.manifest(version))
+        if verify:
+            v.verify()
+        return v
+
+    def latest(self, *, verify: bool = True, allow_fallback: bool = False) -> Version | None:
+        """The newest version that parses and verifies; None for an empty store.
+
+        Args:
+            verify: read and check every array of the candidate.
+            allow_fallback: if the newest is damaged, log it and try older ones;
+                otherwise raise.
+
+        Raises:
+            CorruptVersionError: the newest is damaged and fallback is not allowed, or
+                every version is damaged.
+        """
+        errors: list[CorruptVersionError] = []
+        for v in reversed(self.versions()):
+            try:
+                return self.read(v, verify=verify)
+            except CorruptVersionError as exc:
+                if not allow_fallback:
+                    older = [x for x in self.versions() if x < v]
+                    hint = (
+                        f"; open with allow_fallback=True to use version {older[-1]}"
+                        if older
+                        else "; no older version exists"
+                    )
+                    raise CorruptVersionError(
+                        str(exc) + hint, version=exc.version, path=exc.path
+                    ) from exc
+                log.warning("skipping damaged version: %s", exc)
+                errors.append(exc)
+        if errors:
+            raise CorruptVersionError(
+                f"{self.url}: every version is damaged: " + "; ".join(str(e) for e in errors),
+                version=errors[-1].version,
+                path=errors[-1].path,
+            )
+        return None
+
+    def begin(self, step: int, *, parent: int | None = None) -> Transaction:
+        """Start version (newest + 1) holding the state after `step` steps.
+
+        Raises:
+            StoreError: no lease is held (call `acquire_lease()` first).
+        """
+        if self.lease is None:
+            raise StoreError(f"{self.url}: begin() needs the writer lease; call acquire_lease()")
+        self.lease.check()
+        have = self.versions()
+        version = (have[-1] + 1) if have else 1
+        txn = Transaction(self, version=version, step=step, parent=parent, lease=self.lease)
+        if self.backend.exists(txn.folder):  # our own earlier failed try at this number
+            self.backend.rm(txn.folder, recursive=True)
+        return txn
+
+    def _read_verified(self, version: int, meta: ArrayMeta) -> np.ndarray:
+        where = f"version {version} of {self.url}: array {meta.path}"
+        # The zarr group an array was written into: versions/<folder> or shared.
+        top = meta.path.split("/")
+        base = "/".join(top[:2]) if top[0] == "versions" else top[0]
+        sub = meta.path[len(base) + 1 :]
+        try:
+            arr = self.retry.call(lambda: read_array(self.backend.zarr_store(base), sub))
+        except Exception as exc:  # zarr raises many kinds for a missing/torn chunk
+            raise CorruptVersionError(
+                f"{where} cannot be read ({type(exc).__name__}: {exc}); it is missing or torn",
+                version=version,
+                path=meta.path,
+            ) from exc
+        if tuple(arr.shape) != meta.shape or str(arr.dtype) != meta.dtype:
+            raise CorruptVersionError(
+                f"{where} is {arr.dtype}{list(arr.shape)}, manifest says {meta.dtype}{list(meta.shape)}",
+                version=version,
+                path=meta.path,
+            )
+        got = array_checksum(arr)
+        if got != meta.checksum:
+            raise CorruptVersionError(
+                f"{where} checksum mismatch ({got} != {meta.checksum})",
+                version=version,
+                path=meta.path,
+            )
+        return arr
+
+    # retention -------------------------------------------------------------------
+    def retain(
+        self, *, keep_last: int = 2, keep_every: int | None = None, newest_valid: int | None = None
+    ) -> list[str]:
+        """Delete what no kept manifest references.
+
+        Keeps the `keep_last` newest versions (>= 2), every version whose step is a
+        multiple of `keep_every`, and the newest valid version (found by verifying,
+        unless the caller names it as `newest_valid`). Manifests go first, so a version
+        stops being visible before any of its arrays is removed.
+
+        Returns:
+            The store-relative paths deleted.
+        """
+        if keep_last < 2:
+            raise ValueError(f"retain keep_last={keep_last} must be >= 2 (the newest two stay)")
+        if keep_every is not None and keep_every < 1:
+            raise ValueError(f"retain keep_every={keep_every} must be >= 1 or None")
+        have = self.versions()
+        if not have:
+            return []
+        if newest_valid is None:
+            latest = self.latest(allow_fallback=True)
+            newest_valid = latest.version if latest else None
+        keep = set(have[-keep_last:])
+        if newest_valid is not None:
+            keep.add(newest_valid)
+        manifests: dict[int, Manifest] = {}
+        for v in have:
+            try:
+                manifests[v] = self.manifest(v)
+            except CorruptVersionError:
+                continue
+            if keep_every and manifests[v].step % keep_every == 0:
+                keep.add(v)
+        deleted: list[str] = []
+        for v in have:
+            if v not in keep:
+                hooks.point("retention.before_delete", version=v, path=manifest_path(v))
+                self.backend.rm(manifest_path(v))
+                deleted.append(manifest_path(v))
+        referenced = {
+            "/".join(meta.path.split("/")[:2])
+            for v in keep
+            if v in manifests
+            for meta in manifests[v].arrays.values()
+            if meta.path.startswith("versions/")
+        }
+        newest = have[-1]
+        for folder in self.backend.listdir("versions"):
+            if folder == "zarr.json" or f"versions/{folder}" in referenced:
+                continue
+            num = folder.split("-", 1)[0]
+            # Folders above the newest manifest may be a write in flight: never touch.
+            if num.isdigit() and int(num) > newest:
+                continue
+            hooks.point(
+                "retention.before_delete",
+                version=int(num) if num.isdigit() else None,
+                path=f"versions/{folder}",
+            )
+            self.backend.rm(f"versions/{folder}", recursive=True)
+            deleted.append(f"versions/{folder}")
+        for rel in self._partials():
+            self.backend.rm(rel)
+            deleted.append(rel)
+        return deleted
+
+    def _partials(self) -> Iterator[str]:
+        for top in ("manifests", "leases", "secret"):
+            for name in self.backend.listdir(top):
+                if name.endswith(".partial"):
+                    yield f"{top}/{name}"
+
+
+def _describe(have: list[int]) -> str:
+    if not have:
+        return "no versions yet"
+    return f"versions {have[0]}..{have[-1]} ({len(have)} in all)"
