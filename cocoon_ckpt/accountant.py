@@ -236,7 +236,9 @@ class Accountant:
             },
         }
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, with_epsilon: bool = True) -> dict[str, Any]:
+        """The record; `with_epsilon=False` leaves `epsilon` None (it costs a PLD
+        composition; the checkpoint writer fills it in off the training thread)."""
         return {
             "kind": "Accountant",
             "schema_version": 1,
@@ -248,7 +250,7 @@ class Accountant:
             "delta": self.delta,
             "steps": self.steps,
             "event": self.event(),
-            "epsilon": self.epsilon(),
+            "epsilon": self.epsilon() if with_epsilon else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

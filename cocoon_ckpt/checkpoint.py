@@ -18,6 +18,7 @@ import torch
 
 from state import ArrayMeta, Manifest, Store, Version, hooks
 
+from .accountant import epsilon
 from .noise import generator_backend
 from .trainer import DPTrainer
 
@@ -90,7 +91,7 @@ def take_snapshot(
             "trainer": {"step": trainer.step_index},
             "optimizer": opt_record,
             "sampler": trainer.sampler.state_dict(),
-            "accountant": trainer.accountant.state_dict(),
+            "accountant": trainer.accountant.state_dict(with_epsilon=False),
             "mechanism": trainer.mechanism.state_dict(),
             "noise": {
                 "t": noise.t,
@@ -119,6 +120,20 @@ def take_snapshot(
         }
     )
     return snap
+
+
+def _epsilon_of(acc: dict[str, Any]) -> float:
+    if acc["steps"] == 0:
+        return 0.0
+    return epsilon(
+        acc["noise_multiplier"],
+        acc["dataset_size"],
+        acc["batch_size"],
+        acc["steps"],
+        acc["bands"],
+        acc["delta"],
+        acc["method"],
+    )
 
 
 def restore_trainer_state(trainer: DPTrainer, version: Version) -> None:
@@ -229,6 +244,9 @@ class Checkpointer:
             txn.put_array(name, arr)
         for name, meta in snap.references.items():
             txn.reference(name, meta)
+        acc = snap.records.get("accountant")
+        if acc is not None and acc.get("epsilon") is None:
+            acc["epsilon"] = _epsilon_of(acc)
         for name, rec in snap.records.items():
             txn.put_record(name, rec)
         manifest = txn.commit()

@@ -137,6 +137,12 @@ def run_job(
         resumed_from = None
         if latest is not None:
             _check_compatible(store, latest, record, shapes, key, allow_generator_change)
+            if latest.records["mechanism"] != trainer.mechanism.state_dict():
+                raise ConfigMismatchError(
+                    f"{store.url}: the band coefficients computed now differ from version "
+                    f"{latest.version}'s; resuming would add different noise",
+                    ["mechanism.coefficients"],
+                )
             restore_trainer_state(trainer, latest)
             resumed_from = latest.step
             log.info(

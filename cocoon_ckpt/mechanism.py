@@ -186,11 +186,15 @@ class BandMF:
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> BandMF:
         check_state(state, "BandMF", 1)
-        return cls(
+        m = cls(
             np.array(state["coefficients"]),
             steps=int(state["steps"]),
             kind=MechanismKind(state["mechanism"]),
         )
+        # Keep the stored values bit for bit: normalising twice can move the last ulp.
+        m._c = np.array(state["coefficients"], dtype=np.float64)
+        m._c.setflags(write=False)
+        return m
 
     def __repr__(self) -> str:
         return f"BandMF({self.kind.value}, bands={self.bands}, steps={self.steps})"

@@ -18,6 +18,7 @@ from typing import Any
 import fsspec
 import zarr.storage
 from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+from zarr.abc.store import Store as ZarrStore
 
 from .errors import StoreError
 
@@ -194,7 +195,7 @@ class Backend:
         path = self.path(rel)
         os.chmod(path, 0o700 if os.path.isdir(path) else 0o600)
 
-    def zarr_store(self, rel: str) -> zarr.abc.store.Store:
+    def zarr_store(self, rel: str) -> ZarrStore:
         """A zarr store rooted at `rel`, for zarr's own reads and writes."""
         if self.local:
             return zarr.storage.LocalStore(self.path(rel))

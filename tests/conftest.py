@@ -13,11 +13,16 @@ from hypothesis import HealthCheck, settings
 
 settings.register_profile("default", max_examples=25, deadline=None)
 settings.register_profile(
-    "ci", max_examples=25, deadline=None, derandomize=True,
+    "ci",
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile("nightly", max_examples=500, deadline=None)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))
+settings.load_profile(
+    os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default")
+)
 
 
 def _free_port() -> int:
@@ -40,7 +45,9 @@ def s3_endpoint() -> Iterator[dict[str, Any]]:
     endpoint = f"http://127.0.0.1:{port}"
     import boto3
 
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="cocoon")
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
+        Bucket="cocoon"
+    )
     opts = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
     yield {"bucket": "cocoon", "storage_options": opts}
     server.stop()

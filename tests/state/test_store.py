@@ -94,7 +94,9 @@ def test_second_writer_refused_and_stale_writer_fenced(store_location: dict[str,
     assert second.versions() == [1]
 
 
-def test_fenced_writer_cannot_commit_a_transaction_begun_before(store_location: dict[str, Any]) -> None:
+def test_fenced_writer_cannot_commit_a_transaction_begun_before(
+    store_location: dict[str, Any],
+) -> None:
     first = _open(store_location)
     first.acquire_lease()
     txn = first.begin(1)
@@ -138,7 +140,9 @@ def _damage(store: Store, kind: str, version: int) -> str:
 
 
 @pytest.mark.parametrize("kind", ["truncate", "bitflip", "missing", "manifest"])
-def test_damage_is_detected_named_and_fallback_works(store_location: dict[str, Any], kind: str) -> None:
+def test_damage_is_detected_named_and_fallback_works(
+    store_location: dict[str, Any], kind: str
+) -> None:
     store = _open(store_location)
     store.acquire_lease()
     for step in (1, 2):
@@ -192,7 +196,9 @@ def test_retention_keeps_referenced_and_newest(store_location: dict[str, Any]) -
         store.read(v)  # every kept version still verifies, incl. the referenced base array
 
 
-def test_retry_absorbs_transient_errors(store_location: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_retry_absorbs_transient_errors(
+    store_location: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     store = _open(store_location)
     store.acquire_lease()
     real = store.backend.create_exclusive
@@ -213,7 +219,9 @@ def test_retry_absorbs_transient_errors(store_location: dict[str, Any], monkeypa
     assert store.latest() is not None
 
 
-def test_permanent_error_leaves_store_intact(store_location: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_permanent_error_leaves_store_intact(
+    store_location: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     store = _open(store_location)
     store.acquire_lease()
     _commit(store, 1, {"a": np.zeros(2)})
