@@ -211,6 +211,11 @@ class Checkpointer:
         self.last: Manifest | None = None
         self.bytes_written = 0
 
+    @property
+    def in_flight(self) -> bool:
+        """A background checkpoint is being written now."""
+        return self._inflight is not None and not self._inflight.done()
+
     def set_parent(self, manifest: Manifest | None) -> None:
         self.last = manifest
 
