@@ -16,6 +16,15 @@ from cocoon_ckpt import DPConfig, JobConfig
 from cocoon_ckpt.job import build_trainer
 
 
+def seconds_per_step(step, steps: int, warmup: int = 3) -> float:  # type: ignore[no-untyped-def]
+    for _ in range(warmup):
+        step()
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - t) / steps
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--hidden", type=int, default=256)
@@ -35,12 +44,7 @@ def main() -> None:
         options={"hidden": args.hidden},
     )
     tr = build_trainer(cfg, bytes(32))
-    for _ in range(3):
-        tr.train_step()
-    t = time.perf_counter()
-    for _ in range(args.steps):
-        tr.train_step()
-    ours = (time.perf_counter() - t) / args.steps
+    ours = seconds_per_step(tr.train_step, args.steps)
 
     model = build_trainer(cfg, bytes(32)).model
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -53,12 +57,7 @@ def main() -> None:
         nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
         opt.step()
 
-    for _ in range(3):
-        plain_step()
-    t = time.perf_counter()
-    for _ in range(args.steps):
-        plain_step()
-    plain = (time.perf_counter() - t) / args.steps
+    plain = seconds_per_step(plain_step, args.steps)
     print(
         f"model dim {tr.dim}, batch {args.batch}: ours (DP-SGD, b=1) {ours * 1e3:.2f} ms/step, "
         f"non-private {plain * 1e3:.2f} ms/step, ratio {ours / plain:.2f}"
@@ -89,12 +88,7 @@ def main() -> None:
         nn.functional.cross_entropy(om(xb), yb).backward()
         oopt.step()
 
-    for _ in range(3):
-        opacus_step()
-    t = time.perf_counter()
-    for _ in range(args.steps):
-        opacus_step()
-    op = (time.perf_counter() - t) / args.steps
+    op = seconds_per_step(opacus_step, args.steps)
     print(f"opacus {op * 1e3:.2f} ms/step, ours / opacus {ours / op:.2f}")
 
 

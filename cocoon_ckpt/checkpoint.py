@@ -22,7 +22,7 @@ from .accountant import epsilon
 from .noise import generator_backend
 from .trainer import DPTrainer
 
-__all__ = ["Checkpointer", "Snapshot", "restore_trainer_state"]
+__all__ = ["Checkpointer", "Snapshot", "model_state", "restore_trainer_state"]
 
 log = logging.getLogger("cocoon_ckpt.checkpoint")
 
@@ -136,14 +136,18 @@ def _epsilon_of(acc: dict[str, Any]) -> float:
     )
 
 
-def restore_trainer_state(trainer: DPTrainer, version: Version) -> None:
-    """Load a committed version into `trainer` (verified arrays, then every record)."""
-    rec = version.records
-    model_state = {
+def model_state(version: Version) -> dict[str, torch.Tensor]:
+    """The model state_dict held by a version (verified arrays, copied)."""
+    return {
         name[len("model/") :]: torch.from_numpy(version.array(name).copy())
         for name in version.array_names()
         if name.startswith("model/")
     }
+
+
+def restore_trainer_state(trainer: DPTrainer, version: Version) -> None:
+    """Load a committed version into `trainer` (verified arrays, then every record)."""
+    rec = version.records
     opt_state: dict[str, Any] = {"param_groups": rec["optimizer"]["param_groups"], "state": {}}
     for idx, st in rec["optimizer"]["state"].items():
         opt_state["state"][int(idx)] = {
@@ -162,7 +166,7 @@ def restore_trainer_state(trainer: DPTrainer, version: Version) -> None:
             "kind": "DPTrainer",
             "schema_version": 1,
             "step": rec["trainer"]["step"],
-            "model": model_state,
+            "model": model_state(version),
             "optimizer": opt_state,
             "noise": {
                 "kind": "CorrelatedNoise",

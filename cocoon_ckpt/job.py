@@ -20,7 +20,7 @@ import torch
 from state import Store, StoreError, Version
 
 from . import config as cfgmod
-from .checkpoint import THREAT_MODEL_DEFAULT, Checkpointer, restore_trainer_state
+from .checkpoint import THREAT_MODEL_DEFAULT, Checkpointer, model_state, restore_trainer_state
 from .config import JobConfig
 from .errors import ConfigMismatchError, NoiseKeyError
 from .jobs import JobParts, resolve
@@ -228,12 +228,7 @@ def export_model(
             f"{store_url}: the job is at step {latest.step} of {rec['config']['dp']['steps']}; "
             "export needs a complete job (finish it, or pass allow_incomplete=True)"
         )
-    state = {
-        name[len("model/") :]: torch.from_numpy(latest.array(name).copy())
-        for name in latest.array_names()
-        if name.startswith("model/")
-    }
-    torch.save(state, out)
+    torch.save(model_state(latest), out)
     dp = rec["config"]["dp"]
     report = {
         "epsilon": rec["accountant"]["epsilon"],
