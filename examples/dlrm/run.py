@@ -1,6 +1,6 @@
 """A resumable private DLRM job (dense MLP + Zipf-accessed embedding tables).
 
-    python examples/dlrm/run.py [STORE]    (default runs/example-dlrm.zarr)
+python examples/dlrm/run.py [STORE]    (default runs/example-dlrm.zarr)
 """
 
 import sys
@@ -15,5 +15,7 @@ config = JobConfig(
     checkpoint_every=10,
 )
 result = run_job(config, store)
-print(f"{result.steps_done} steps, epsilon {result.epsilon:.3f}, resumed from {result.resumed_from}")
+print(
+    f"{result.steps_done} steps, epsilon {result.epsilon:.3f}, resumed from {result.resumed_from}"
+)
 print(export_model(store, store.rstrip("/") + ".pt"))

@@ -1,6 +1,6 @@
 """A resumable private MLP job: kill it at any moment, run it again, it resumes exactly.
 
-    python examples/mlp/run.py [STORE]     (default runs/example-mlp.zarr)
+python examples/mlp/run.py [STORE]     (default runs/example-mlp.zarr)
 """
 
 import sys
@@ -14,5 +14,7 @@ config = JobConfig(
     checkpoint_every=10,
 )
 result = run_job(config, store)
-print(f"{result.steps_done} steps, epsilon {result.epsilon:.3f}, resumed from {result.resumed_from}")
+print(
+    f"{result.steps_done} steps, epsilon {result.epsilon:.3f}, resumed from {result.resumed_from}"
+)
 print(export_model(store, store.rstrip("/") + ".pt"))
