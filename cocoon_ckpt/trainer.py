@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call, grad, vmap
+from torch.func import functional_call, grad_and_value, vmap
 
 from state import hooks
 
@@ -139,7 +139,9 @@ class DPTrainer:
             return self.loss_fn(out, xy[-1].unsqueeze(0))
 
         self._per_sample = vmap(
-            grad(loss_one), in_dims=(None, None, *([0] * len(self.data))), randomness="different"
+            grad_and_value(loss_one),
+            in_dims=(None, None, *([0] * len(self.data))),
+            randomness="different",
         )
 
     @property
@@ -157,7 +159,7 @@ class DPTrainer:
         if len(idx) == 0:
             return torch.zeros(self.dim, dtype=self.noise.dtype), float("nan")
         try:
-            grads = self._per_sample(params, buffers, *batch)
+            grads, losses = self._per_sample(params, buffers, *batch)
         except RuntimeError as exc:
             raise UnsupportedModelError(
                 f"torch.func could not take per-sample gradients of {type(self.model).__name__}: "
@@ -167,9 +169,8 @@ class DPTrainer:
         flat = torch.cat([grads[k].reshape(len(idx), -1) for k in self.param_names], dim=1)
         norms = flat.norm(dim=1)
         scale = (self.config.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
-        with torch.no_grad():
-            out = self.model(*[b for b in batch[:-1]])
-            loss = float(self.loss_fn(out, batch[-1]))
+        # per-sample losses come with the gradients: no second forward pass for the report
+        loss = float(losses.mean())
         return (flat * scale.unsqueeze(1)).sum(dim=0), loss
 
     def train_step(self) -> StepResult:
