@@ -27,7 +27,15 @@ from .jobs import JobParts, resolve
 from .noise import check_generator_backend
 from .trainer import DPTrainer, StepResult
 
-__all__ = ["RunResult", "export_model", "key_id", "run_job"]
+__all__ = [
+    "ConfigMismatchError",
+    "RunResult",
+    "build_trainer",
+    "export_model",
+    "key_id",
+    "read_config",
+    "run_job",
+]
 
 log = logging.getLogger("cocoon_ckpt.job")
 KEY_SECRET = "noise.key"
@@ -136,13 +144,15 @@ def run_job(
         fp = cfgmod.fingerprint(record, shapes)
         resumed_from = None
         if latest is not None:
-            _check_compatible(store, latest, record, shapes, key, allow_generator_change)
-            if latest.records["mechanism"] != trainer.mechanism.state_dict():
-                raise ConfigMismatchError(
-                    f"{store.url}: the band coefficients computed now differ from version "
-                    f"{latest.version}'s; resuming would add different noise",
-                    ["mechanism.coefficients"],
-                )
+            _check_compatible(
+                store,
+                latest,
+                record,
+                shapes,
+                trainer.mechanism.state_dict(),
+                key,
+                allow_generator_change,
+            )
             restore_trainer_state(trainer, latest)
             resumed_from = latest.step
             log.info(
@@ -184,6 +194,7 @@ def _check_compatible(
     latest: Version,
     record: dict[str, Any],
     shapes: dict[str, list[int]],
+    mechanism: dict[str, Any],
     key: bytes,
     allow_generator_change: bool,
 ) -> None:
@@ -199,6 +210,12 @@ def _check_compatible(
         raise NoiseKeyError(
             f"{store.url}: the noise key given does not match the key of version "
             f"{latest.version}; resuming would add unrelated noise. Use the job's own key"
+        )
+    if rec["mechanism"] != mechanism:
+        raise ConfigMismatchError(
+            f"{store.url}: the band coefficients computed now differ from version "
+            f"{latest.version}'s; resuming would add different noise",
+            ["mechanism.coefficients"],
         )
     check_generator_backend(rec["generator"], allow_change=allow_generator_change)
 
@@ -259,6 +276,3 @@ def read_config(store_url: str, storage_options: dict[str, Any] | None = None) -
     if not versions:
         raise StoreError(f"{store_url} has no committed version")
     return JobConfig.from_record(store.manifest(versions[-1]).records["config"])
-
-
-__all__ += ["ConfigMismatchError", "build_trainer", "read_config"]
