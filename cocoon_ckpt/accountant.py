@@ -253,6 +253,21 @@ class Accountant:
             "epsilon": self.epsilon() if with_epsilon else None,
         }
 
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> Accountant:
+        """An accountant rebuilt from its record (steps included)."""
+        check_state(state, "Accountant", 1)
+        acc = cls(
+            noise_multiplier=float(state["noise_multiplier"]),
+            dataset_size=int(state["dataset_size"]),
+            batch_size=int(state["batch_size"]),
+            bands=int(state["bands"]),
+            delta=float(state["delta"]),
+            method=state["method"],
+        )
+        acc.steps = int(state["steps"])
+        return acc
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the step count; refuses another mechanism's accountant."""
         check_state(state, "Accountant", 1)

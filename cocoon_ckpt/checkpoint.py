@@ -18,7 +18,7 @@ import torch
 
 from state import ArrayMeta, Manifest, Store, Version, hooks
 
-from .accountant import epsilon
+from .accountant import Accountant
 from .noise import generator_backend
 from .trainer import DPTrainer
 
@@ -120,20 +120,6 @@ def take_snapshot(
         }
     )
     return snap
-
-
-def _epsilon_of(acc: dict[str, Any]) -> float:
-    if acc["steps"] == 0:
-        return 0.0
-    return epsilon(
-        acc["noise_multiplier"],
-        acc["dataset_size"],
-        acc["batch_size"],
-        acc["steps"],
-        acc["bands"],
-        acc["delta"],
-        acc["method"],
-    )
 
 
 def model_state(version: Version) -> dict[str, torch.Tensor]:
@@ -255,7 +241,7 @@ class Checkpointer:
             txn.reference(name, meta)
         acc = snap.records.get("accountant")
         if acc is not None and acc.get("epsilon") is None:
-            acc["epsilon"] = _epsilon_of(acc)
+            acc["epsilon"] = Accountant.from_state_dict(acc).epsilon()
         for name, rec in snap.records.items():
             txn.put_record(name, rec)
         manifest = txn.commit()

@@ -86,3 +86,10 @@ def test_accountant_tracks_steps_and_refuses_other_state() -> None:
     with pytest.raises(ValueError, match="accountant state"):
         wrong.load_state_dict(acc.state_dict())
     assert acc.state_dict()["event"]["count"] == 10
+
+
+def test_from_state_dict_rebuilds_the_same_epsilon() -> None:
+    acc = Accountant(noise_multiplier=1.2, dataset_size=8_000, batch_size=80, bands=2, delta=1e-6)
+    acc.step(21)
+    again = Accountant.from_state_dict(acc.state_dict(with_epsilon=False))
+    assert again.steps == 21 and again.epsilon() == acc.epsilon()
