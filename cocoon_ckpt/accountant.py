@@ -88,13 +88,15 @@ def _epsilon_cached(
     noise_multiplier: float,
     dataset_size: int,
     batch_size: int,
-    steps: int,
+    compositions: int,
     bands: int,
     delta: float,
     method: AccountingMethod,
 ) -> float:
+    # Keyed by ceil(steps / b), not steps: every step of one participation round has
+    # the same epsilon, so a PLD composition is paid once per b steps.
     acc = _accountant(method)
-    acc.compose(dp_event(noise_multiplier, dataset_size, batch_size, steps, bands))
+    acc.compose(dp_event(noise_multiplier, dataset_size, batch_size, compositions * bands, bands))
     return float(acc.get_epsilon(delta))
 
 
@@ -126,7 +128,7 @@ def epsilon(
         float(noise_multiplier),
         dataset_size,
         batch_size,
-        steps,
+        math.ceil(steps / bands),
         bands,
         float(delta),
         AccountingMethod(method),
