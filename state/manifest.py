@@ -31,6 +31,8 @@ class ArrayMeta:
     """numpy dtype string, e.g. `float32`."""
     checksum: str
     """`crc32c:xxxxxxxx` of the C-order bytes."""
+    chunks: tuple[int, ...] | None = None
+    """Chunk shape as written (None: read it from the array's zarr.json)."""
 
     @property
     def nbytes(self) -> int:
@@ -47,6 +49,7 @@ class ArrayMeta:
             "shape": list(self.shape),
             "dtype": self.dtype,
             "checksum": self.checksum,
+            **({"chunks": list(self.chunks)} if self.chunks is not None else {}),
         }
 
     @classmethod
@@ -56,6 +59,7 @@ class ArrayMeta:
             shape=tuple(int(s) for s in d["shape"]),
             dtype=str(d["dtype"]),
             checksum=str(d["checksum"]),
+            chunks=tuple(int(c) for c in d["chunks"]) if "chunks" in d else None,
         )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import re
@@ -14,9 +15,8 @@ import fsspec
 import numpy as np
 
 from . import hooks
-from .arrays import read_array, write_array
+from .arrays import ensure_groups, read_array, write_array
 from .backend import Backend
-from .checksum import array_checksum
 from .errors import (
     CommitConflictError,
     CorruptVersionError,
@@ -34,6 +34,7 @@ __all__ = ["Store", "Transaction", "Version"]
 log = logging.getLogger("state.store")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 _ATTR = "cocoon_ckpt"
+_READ_THREADS = 4
 
 
 def _check_name(name: str) -> None:
@@ -85,9 +86,17 @@ class Version:
         return arr
 
     def verify(self) -> None:
-        """Read and check every array (raises CorruptVersionError on the first bad one)."""
-        for name in self.array_names():
-            self.array(name)
+        """Read and check every array (raises CorruptVersionError on the first bad one,
+        in name order).
+
+        Arrays are read by a few threads at once: file reads and crc32c release the
+        GIL, and a cold restore is bound by read latency, which overlapping hides.
+        """
+        names = self.array_names()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=_READ_THREADS) as pool:
+            futures = [pool.submit(self.array, n) for n in names]
+        for fut in futures:
+            fut.result()
 
     def __repr__(self) -> str:
         return f"Version({self.version}, step={self.step}, arrays={len(self.manifest.arrays)})"
@@ -105,7 +114,7 @@ class Transaction:
         self.folder = f"versions/{version:08d}-g{lease.generation}"
         self._arrays: dict[str, ArrayMeta] = {}
         self._records: dict[str, Any] = {}
-        self._zstore: Any = None
+        self._groups: set[str] = set()  # zarr group metadata already written
         self.bytes_written = 0
         self.committed: Manifest | None = None
 
@@ -120,24 +129,24 @@ class Transaction:
             raise ValueError(f"version {self.version}: array {name!r} was already put")
         arr = np.asarray(array, order="C")
         hooks.point("checkpoint.before_array", step=self.step, version=self.version, name=name)
-        if self._zstore is None:
-            self._zstore = self.store.backend.zarr_store(self.folder)
-        zstore = self._zstore
+        backend = self.store.backend
 
-        def write() -> None:
+        def write() -> tuple[str, tuple[int, ...]]:
+            ensure_groups(backend, self.folder, name, self._groups)
             try:
-                write_array(zstore, name, arr)
+                return write_array(backend, self.folder, name, arr)
             except FileExistsError:
-                # a try whose response was lost left the array: start it afresh
-                self.store.backend.rm(f"{self.folder}/{name}", recursive=True)
-                write_array(zstore, name, arr)
+                # a try that failed half-way left part of the array: start it afresh
+                backend.rm(f"{self.folder}/{name}", recursive=True)
+                return write_array(backend, self.folder, name, arr)
 
-        self.store.retry.call(write)
+        checksum, chunks = self.store.retry.call(write)
         meta = ArrayMeta(
             path=f"{self.folder}/{name}",
             shape=tuple(arr.shape),
             dtype=str(arr.dtype),
-            checksum=array_checksum(arr),
+            checksum=checksum,
+            chunks=chunks,
         )
         self._arrays[name] = meta
         self.bytes_written += arr.nbytes
@@ -360,14 +369,19 @@ class Store:
         """Write a job-lifetime array under shared/ once; versions reference it."""
         _check_name(name)
         arr = np.asarray(array, order="C")
-        zstore = self.backend.zarr_store("shared")
-        self.retry.call(lambda: write_array(zstore, name, arr))
+
+        def write() -> tuple[str, tuple[int, ...]]:
+            ensure_groups(self.backend, "shared", name, {"shared"})
+            return write_array(self.backend, "shared", name, arr)
+
+        checksum, chunks = self.retry.call(write)
         self.backend.fsync_tree(f"shared/{name}")
         return ArrayMeta(
             path=f"shared/{name}",
             shape=tuple(arr.shape),
             dtype=str(arr.dtype),
-            checksum=array_checksum(arr),
+            checksum=checksum,
+            chunks=chunks,
         )
 
     # versions --------------------------------------------------------------------
@@ -463,7 +477,8 @@ class Store:
         base = "/".join(top[:2]) if top[0] == "versions" else top[0]
         sub = meta.path[len(base) + 1 :]
         try:
-            arr = self.retry.call(lambda: read_array(self.backend.zarr_store(base), sub))
+            layout = None if meta.chunks is None else (meta.shape, meta.dtype, meta.chunks)
+            arr, got = self.retry.call(lambda: read_array(self.backend, base, sub, layout))
         except Exception as exc:  # zarr raises many kinds for a missing/torn chunk
             raise CorruptVersionError(
                 f"{where} cannot be read ({type(exc).__name__}: {exc}); it is missing or torn",
@@ -476,7 +491,6 @@ class Store:
                 version=version,
                 path=meta.path,
             )
-        got = array_checksum(arr)
         if got != meta.checksum:
             raise CorruptVersionError(
                 f"{where} checksum mismatch ({got} != {meta.checksum})",
