@@ -8,8 +8,11 @@ checkpoint is in flight, so memory stays bounded by one snapshot.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
+import os
 import random
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,6 +186,13 @@ def restore_trainer_state(trainer: DPTrainer, version: Version) -> None:
     random.setstate((py[0], tuple(py[1]), py[2]))
 
 
+def _lower_priority() -> None:
+    """Run the background writer at nice 10 (Linux threads have their own nice), so
+    the training threads keep the cores; what is written is unaffected."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+
+
 class Checkpointer:
     """Writes versions of a trainer's state to a store, optionally in the background.
 
@@ -196,7 +206,9 @@ class Checkpointer:
         self.store = store
         self.async_write = async_write
         self.keep_last = keep_last
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="ckpt", initializer=_lower_priority
+        )
         self._inflight: concurrent.futures.Future[Manifest] | None = None
         self.last: Manifest | None = None
         self.bytes_written = 0
