@@ -19,6 +19,30 @@ from .mechanism import MechanismKind
 __all__ = ["main"]
 
 
+def _add_storage_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--storage-options",
+        default=None,
+        metavar="JSON",
+        help="fsspec options for the store URL as a JSON object, e.g. "
+        '\'{"endpoint_url": "http://127.0.0.1:5000"}\' for an S3-compatible endpoint',
+    )
+
+
+def _storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    if args.storage_options is None:
+        return None
+    try:
+        opts = json.loads(args.storage_options)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"--storage-options is not valid JSON ({exc}); pass a JSON object"
+        ) from None
+    if not isinstance(opts, dict):
+        raise ValueError("--storage-options must be a JSON object, e.g. '{\"anon\": false}'")
+    return opts
+
+
 def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "train",
@@ -78,6 +102,7 @@ def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=None,
         help="keep the secret noise key in this file (0600) instead of the store",
     )
+    _add_storage_options(p)
     p.add_argument(
         "--takeover",
         action="store_true",
@@ -106,6 +131,7 @@ def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     p.add_argument("url", help="store URL")
     p.add_argument("--out", required=True, help="output file for the state_dict")
+    _add_storage_options(p)
     p.add_argument("--json", action="store_true", help="print the privacy report as JSON")
 
 
@@ -166,6 +192,7 @@ def _train(args: argparse.Namespace) -> int:
         result = run_job(
             config,
             store,
+            storage_options=_storage_options(args),
             key_file=args.key_file,
             takeover=args.takeover,
             allow_fallback=args.allow_fallback,
@@ -196,7 +223,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    report = export_model(args.url, args.out)
+    report = export_model(args.url, args.out, storage_options=_storage_options(args))
     if args.json:
         print(json.dumps(report))
     else:

@@ -62,3 +62,5 @@ def test_errors_are_one_line_with_exit_codes(tmp_path: Path) -> None:
     assert not (tmp_path / "nothing").exists()  # export creates nothing
     usage = _run("train", "--steps", "many")
     assert usage.returncode == 2
+    opts = _run("train", "--store", store, "--storage-options", "{not json", "--no-progress")
+    assert opts.returncode == 2 and "--storage-options is not valid JSON" in opts.stderr
