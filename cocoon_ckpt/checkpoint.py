@@ -246,7 +246,11 @@ class Checkpointer:
     def _write(self, snap: Snapshot) -> Manifest:
         hooks.point("checkpoint.async_flush", step=snap.step)
         parent = self.last
-        txn = self.store.begin(snap.step, parent=parent.version if parent else None)
+        txn = self.store.begin(
+            snap.step,
+            parent=parent.version if parent else None,
+            job_fingerprint=snap.records.get("fingerprint"),
+        )
         for name, arr in snap.arrays.items():
             txn.put_array(name, arr)
         for name, meta in snap.references.items():

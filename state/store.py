@@ -105,8 +105,18 @@ class Version:
 class Transaction:
     """Builds version `version`; nothing is visible until `commit()` writes the manifest."""
 
-    def __init__(self, store: Store, *, version: int, step: int, parent: int | None, lease: Lease):
+    def __init__(
+        self,
+        store: Store,
+        *,
+        version: int,
+        step: int,
+        parent: int | None,
+        lease: Lease,
+        job_fingerprint: str | None = None,
+    ):
         self.store = store
+        self.job_fingerprint = job_fingerprint
         self.version = version
         self.step = step
         self.parent = parent
@@ -188,7 +198,7 @@ class Transaction:
             created=_now(),
             write_id=uuid.uuid4().hex,
             writer=self.lease.as_record(),
-            job_fingerprint=self.store.job_fingerprint,
+            job_fingerprint=self.job_fingerprint,
             arrays=dict(self._arrays),
             records=dict(self._records),
         )
@@ -454,8 +464,12 @@ class Store:
             )
         return None
 
-    def begin(self, step: int, *, parent: int | None = None) -> Transaction:
+    def begin(
+        self, step: int, *, parent: int | None = None, job_fingerprint: str | None = None
+    ) -> Transaction:
         """Start version (newest + 1) holding the state after `step` steps.
+
+        `job_fingerprint` goes into the manifest (default: the store root's, if any).
 
         Raises:
             StoreError: no lease is held (call `acquire_lease()` first).
@@ -465,7 +479,14 @@ class Store:
         self.lease.check()
         have = self.versions()
         version = (have[-1] + 1) if have else 1
-        txn = Transaction(self, version=version, step=step, parent=parent, lease=self.lease)
+        txn = Transaction(
+            self,
+            version=version,
+            step=step,
+            parent=parent,
+            lease=self.lease,
+            job_fingerprint=job_fingerprint or self.job_fingerprint,
+        )
         if self.backend.exists(txn.folder):  # our own earlier failed try at this number
             self.backend.rm(txn.folder, recursive=True)
         return txn

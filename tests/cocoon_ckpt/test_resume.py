@@ -123,3 +123,4 @@ def test_incremental_checkpoint_writes_only_new_slots(tmp_path: Path) -> None:
     own = [k for k, a in ring.items() if a.path.startswith(f"versions/{m.version:08d}-")]
     assert len(own) == 5  # min(k, b-1) new slots; the rest referenced
     assert v.records["noise"]["shards"][0]["slots"]
+    assert m.job_fingerprint == v.records["fingerprint"] and len(m.job_fingerprint) == 64
