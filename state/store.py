@@ -34,7 +34,7 @@ __all__ = ["Store", "Transaction", "Version"]
 log = logging.getLogger("state.store")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 _ATTR = "cocoon_ckpt"
-_READ_THREADS = 4
+_READ_THREADS = 8
 
 
 def _check_name(name: str) -> None:
