@@ -166,12 +166,14 @@ class DPTrainer:
                 f"{exc}. Models with in-place buffer updates or batch-coupled layers have no "
                 "per-sample path"
             ) from exc
-        flat = torch.cat([grads[k].reshape(len(idx), -1) for k in self.param_names], dim=1)
-        norms = flat.norm(dim=1)
+        # Per parameter, never one (batch, dim) copy: norms from per-parameter sums of
+        # squares, then one GEMV (scale @ grads) per parameter.
+        per_param = [grads[k].reshape(len(idx), -1) for k in self.param_names]
+        norms = torch.stack([g.square().sum(dim=1) for g in per_param]).sum(dim=0).sqrt()
         scale = (self.config.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+        summed = torch.cat([scale.to(g.dtype) @ g for g in per_param])
         # per-sample losses come with the gradients: no second forward pass for the report
-        loss = float(losses.mean())
-        return (flat * scale.unsqueeze(1)).sum(dim=0), loss
+        return summed, float(losses.mean())
 
     def train_step(self) -> StepResult:
         """Take step t = `step_index` and advance."""
@@ -184,8 +186,9 @@ class DPTrainer:
         summed, loss = self.clipped_sum(idx)
         w = self.noise.step()
         noisy = (summed + w.to(summed.dtype)) / self.config.batch_size
+        # Gradients are views into `noisy`, a fresh buffer per step (as DDP's buckets are).
         for p, g in zip(self._params(), torch.split(noisy, self._sizes), strict=True):
-            p.grad = g.view(p.shape).to(p.dtype).clone()
+            p.grad = g.view(p.shape).to(p.dtype)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.accountant.step()
