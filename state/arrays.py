@@ -162,7 +162,9 @@ def _write_file(backend: Backend, rel: str, parts: list[Any], *, exclusive: bool
         finally:
             os.close(fd)
     else:
-        backend.fs.pipe_file(path, b"".join(bytes(p) for p in parts))
+        data = b"".join(bytes(p) for p in parts)
+        # one object, written whole: rewriting it on a transient error is idempotent
+        backend.retry.call(lambda: backend.fs.pipe_file(path, data))
 
 
 def read_array(
@@ -219,7 +221,7 @@ def read_array(
         if data[0]:
             chunk_crc = crc32c.crc32c(data[0], chunk_crc)
         if chunk_crc != int.from_bytes(data[1], "little"):
-            raise ValueError(f"chunk {key} of {group}/{name} fails its crc32c: it is damaged")
+            raise ValueError(f"chunk {group}/{name}/{key} fails its crc32c: it is damaged")
     return out, f"crc32c:{array_crc:08x}"
 
 

@@ -22,6 +22,7 @@ from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
 from zarr.abc.store import Store as ZarrStore
 
 from .errors import StoreError
+from .retry import RetryPolicy
 
 __all__ = ["Backend", "Capabilities"]
 
@@ -50,6 +51,7 @@ class Backend:
         storage_options: passed to fsspec (and to zarr for its own async filesystem).
         fs: an already built filesystem to use instead of resolving `url`'s protocol
             (the fault injector's wrapper); `url` then names the path inside it.
+        retry: policy for transient errors of idempotent operations.
     """
 
     def __init__(
@@ -57,8 +59,12 @@ class Backend:
         url: str,
         storage_options: dict[str, Any] | None = None,
         fs: fsspec.AbstractFileSystem | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         self.storage_options = dict(storage_options or {})
+        #: Retries the idempotent operations below. `create_exclusive` is not retried
+        #: here: only its caller can tell its own landed create from someone else's.
+        self.retry = retry or RetryPolicy()
         if fs is None:
             fs, root = fsspec.core.url_to_fs(url, **self.storage_options)
         else:
@@ -86,16 +92,15 @@ class Backend:
 
     # reads -----------------------------------------------------------------------
     def exists(self, rel: str) -> bool:
-        return bool(self.fs.exists(self.path(rel)))
+        return bool(self.retry.call(lambda: self.fs.exists(self.path(rel))))
 
     def read_bytes(self, rel: str) -> bytes:
-        data = self.fs.cat_file(self.path(rel))
-        return bytes(data)
+        return bytes(self.retry.call(lambda: self.fs.cat_file(self.path(rel))))
 
     def listdir(self, rel: str) -> list[str]:
         """Names (not paths) directly under `rel`; empty when it does not exist."""
         try:
-            entries = self.fs.ls(self.path(rel), detail=False)
+            entries = self.retry.call(lambda: self.fs.ls(self.path(rel), detail=False))
         except FileNotFoundError:
             return []
         return sorted(str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
@@ -104,7 +109,7 @@ class Backend:
         """Every file under `rel`, as paths relative to the root."""
         base = self.path(rel)
         try:
-            found = self.fs.find(base)
+            found = self.retry.call(lambda: self.fs.find(base))
         except FileNotFoundError:
             return []
         prefix = self.root.rstrip("/") + "/"
@@ -116,7 +121,7 @@ class Backend:
         if self.local:
             os.makedirs(path, mode=0o700 if private else 0o777, exist_ok=True)
         else:
-            self.fs.makedirs(path, exist_ok=True)
+            self.retry.call(lambda: self.fs.makedirs(path, exist_ok=True))
 
     def write_once(self, rel: str, data: bytes, *, private: bool = False) -> None:
         """Write a file at a path that is never overwritten once it is referenced.
@@ -125,7 +130,7 @@ class Backend:
         leaves either nothing or the whole file (plus at most a `.partial` leftover).
         """
         if not self.local:
-            self.fs.pipe_file(self.path(rel), data)
+            self.retry.call(lambda: self.fs.pipe_file(self.path(rel), data))
             return
         final = self.path(rel)
         parent = os.path.dirname(final)
@@ -165,9 +170,27 @@ class Backend:
                 os.unlink(tmp)
         _fsync_dir(parent)
 
+    def create_once(self, rel: str, data: bytes, on_temp_durable: Any = None) -> None:
+        """`create_exclusive`, retried on transient errors. A create whose response was
+        lost is recognised on the retry by reading the object back: identical bytes are
+        our own (every caller's bytes are unique: a write id, an owner, a random key).
+
+        Raises:
+            FileExistsError: `rel` exists with other bytes (someone else created it).
+        """
+
+        def attempt() -> None:
+            try:
+                self.create_exclusive(rel, data, on_temp_durable)
+            except FileExistsError:
+                if self.read_bytes(rel) != data:
+                    raise
+
+        self.retry.call(attempt)
+
     def rm(self, rel: str, *, recursive: bool = False) -> None:
         with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(self.path(rel), recursive=recursive)
+            self.retry.call(lambda: self.fs.rm(self.path(rel), recursive=recursive))
 
     def fsync_tree(self, rel: str) -> None:
         """fsync every file and folder under `rel` and `rel`'s parents up to the root.

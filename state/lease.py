@@ -105,7 +105,7 @@ class Lease:
             return
         self.released = True
         try:
-            self.backend.create_exclusive(_released_path(self.generation), b"{}")
+            self.backend.create_once(_released_path(self.generation), b"{}")
         except FileExistsError:
             pass
 
@@ -145,7 +145,7 @@ def acquire_lease(backend: Backend, *, takeover: bool = False) -> Lease:
     }
     backend.makedirs(_DIR)
     try:
-        backend.create_exclusive(_gen_path(new_gen), json.dumps(record).encode())
+        backend.create_once(_gen_path(new_gen), json.dumps(record).encode())
     except FileExistsError as exc:
         raise LeaseHeldError(
             f"{backend.url}: another writer took lease generation {new_gen} at the same time; "

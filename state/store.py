@@ -206,28 +206,23 @@ class Transaction:
         path = manifest_path(self.version)
         hooks.point("checkpoint.before_manifest", step=self.step, version=self.version)
 
-        def create() -> None:
+        try:
+            backend.create_once(
+                path,
+                data,
+                on_temp_durable=lambda: hooks.point(
+                    "checkpoint.after_manifest_temp", step=self.step, version=self.version
+                ),
+            )
+        except FileExistsError:
             try:
-                backend.create_exclusive(
-                    path,
-                    data,
-                    on_temp_durable=lambda: hooks.point(
-                        "checkpoint.after_manifest_temp", step=self.step, version=self.version
-                    ),
-                )
-            except FileExistsError:
-                # Our own earlier try may have landed with its response lost: read back.
-                try:
-                    existing = json.loads(backend.read_bytes(path))
-                except (OSError, ValueError):
-                    existing = {}
-                if existing.get("write_id") != manifest.write_id:
-                    raise CommitConflictError(
-                        f"{backend.url}: version {self.version} was committed by another "
-                        f"writer ({existing.get('writer')}); this commit is refused"
-                    ) from None
-
-        self.store.retry.call(create)
+                writer = json.loads(backend.read_bytes(path)).get("writer")
+            except (OSError, ValueError):
+                writer = "unknown"
+            raise CommitConflictError(
+                f"{backend.url}: version {self.version} was committed by another writer "
+                f"({writer}); this commit is refused"
+            ) from None
         self.committed = manifest
         hooks.point("checkpoint.after_manifest", step=self.step, version=self.version)
         return manifest
@@ -242,7 +237,7 @@ class Store:
 
     def __init__(self, backend: Backend, *, retry: RetryPolicy | None = None) -> None:
         self.backend = backend
-        self.retry = retry or RetryPolicy()
+        self.retry = backend.retry if retry is None else retry
         self.lease: Lease | None = None
         self.attributes: dict[str, Any] = {}
 
@@ -273,10 +268,10 @@ class Store:
             FormatVersionError: the store is of a newer format.
             StoreError: the location holds something that is not a cocoon-ckpt store.
         """
-        store = cls(Backend(url, storage_options, fs=fs), retry=retry)
+        store = cls(Backend(url, storage_options, fs=fs, retry=retry), retry=retry)
         backend = store.backend
         try:
-            raw = store.retry.call(lambda: backend.read_bytes("zarr.json"))
+            raw = backend.read_bytes("zarr.json")
         except FileNotFoundError:
             raw = None
         if raw is None:
@@ -307,7 +302,7 @@ class Store:
         root = {"zarr_format": 3, "node_type": "group", "attributes": attrs}
         # The root metadata goes last: its presence says the skeleton is complete.
         try:
-            b.create_exclusive("zarr.json", json.dumps(root, indent=1).encode())
+            b.create_once("zarr.json", json.dumps(root, indent=1).encode())
         except FileExistsError:
             self._load_root(b.read_bytes("zarr.json"))
             return
@@ -360,7 +355,7 @@ class Store:
         self.backend.makedirs("secret", private=True)
         self.backend.chmod_private("secret")
         try:
-            self.backend.create_exclusive(f"secret/{name}", data)
+            self.backend.create_once(f"secret/{name}", data)
         except FileExistsError:
             if self.backend.read_bytes(f"secret/{name}") != data:
                 raise StoreError(
@@ -398,7 +393,7 @@ class Store:
     def versions(self) -> list[int]:
         """Numbers of every version whose manifest exists, oldest first (unverified)."""
         out = []
-        for name in self.retry.call(lambda: self.backend.listdir("manifests")):
+        for name in self.backend.listdir("manifests"):
             stem = name[:-5] if name.endswith(".json") else ""
             if stem.isdigit() and len(stem) == 8:
                 out.append(int(stem))
@@ -412,7 +407,7 @@ class Store:
             CorruptVersionError: the manifest is torn or malformed.
         """
         try:
-            data = self.retry.call(lambda: self.backend.read_bytes(manifest_path(version)))
+            data = self.backend.read_bytes(manifest_path(version))
         except FileNotFoundError:
             have = self.versions()
             raise VersionNotFoundError(
