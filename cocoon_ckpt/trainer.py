@@ -130,6 +130,7 @@ class DPTrainer:
             delta=config.delta,
         )
         self.step_index = 0
+        self.last_noise: torch.Tensor | None = None
 
         def loss_one(
             p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], *xy: torch.Tensor
@@ -185,6 +186,7 @@ class DPTrainer:
         idx = torch.from_numpy(self.sampler.batch(t))
         summed, loss = self.clipped_sum(idx)
         w = self.noise.step()
+        self.last_noise = w  # w_t of the step just taken (for traces; not copied)
         noisy = (summed + w.to(summed.dtype)) / self.config.batch_size
         # Gradients are views into `noisy`, a fresh buffer per step (as DDP's buckets are).
         for p, g in zip(self._params(), torch.split(noisy, self._sizes), strict=True):
