@@ -184,9 +184,11 @@ def run_job(
             version=last.version if last else None,
         )
     finally:
-        if ckpt is not None:
-            ckpt.close()
-        store.release_lease()
+        try:
+            if ckpt is not None:
+                ckpt.close()  # re-raises a failed background write
+        finally:
+            store.release_lease()  # even then: this process is done writing
 
 
 def _check_compatible(

@@ -1,0 +1,172 @@
+"""Chaos runs: random crash schedules on faulty storage, each run to completion with
+resumes and compared with a golden trace; at-rest damage injected between runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from cocoon_ckpt import JobConfig, run_job
+from state import CorruptVersionError, Store, hooks
+
+from .crash import CrashPointHit, crash_at, disarm_all
+from .faulty_fs import FaultPlan, faulty_filesystem
+from .golden import Trace, golden
+
+__all__ = ["ChaosReport", "run_chaos"]
+
+
+@dataclass
+class ChaosReport:
+    """What a chaos run did and found. `ok` is False on any divergence, lost version
+    or undetected corruption."""
+
+    trials: int = 0
+    faults: Counter[str] = field(default_factory=Counter)
+    resumes: int = 0
+    divergences: int = 0
+    lost_versions: int = 0
+    detected_corruptions: int = 0
+    undetected_corruptions: int = 0
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.divergences or self.lost_versions or self.undetected_corruptions)
+
+    def table(self) -> str:
+        rows = [
+            ("trials", self.trials),
+            *[(f"faults: {k}", v) for k, v in sorted(self.faults.items())],
+            ("resumes", self.resumes),
+            ("divergences", self.divergences),
+            ("lost committed versions", self.lost_versions),
+            ("detected corruptions", self.detected_corruptions),
+            ("undetected corruptions", self.undetected_corruptions),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+    def as_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["faults"] = dict(self.faults)
+        d["ok"] = self.ok
+        return d
+
+
+def _corrupt_newest(store: Store, rng: random.Random) -> str | None:
+    """Flip one bit in one chunk of the newest version's own arrays (at rest). Only
+    when an older version exists to fall back to: with none, the right answer is the
+    clear error a resume gives, not a recovery to count."""
+    versions = store.versions()
+    if len(versions) < 2:
+        return None
+    man = store.manifest(versions[-1])
+    own = [m for m in man.arrays.values() if m.path.startswith(f"versions/{man.version:08d}-")]
+    own = [m for m in own if m.nbytes > 0]
+    if not own:
+        return None
+    meta = rng.choice(own)
+    chunks = [p for p in store.backend.find(meta.path) if "/c" in p[len(meta.path) :]]
+    chunk = rng.choice(chunks)
+    data = bytearray(store.backend.read_bytes(chunk))
+    bit = rng.randrange(len(data) * 8)
+    data[bit // 8] ^= 1 << (bit % 8)
+    store.backend.fs.pipe_file(store.backend.path(chunk), bytes(data))
+    return chunk
+
+
+def run_chaos(
+    config: JobConfig, *, trials: int, seed: int, key: bytes | None = None
+) -> ChaosReport:
+    """`trials` random fault schedules against `config` on faulty memory:// stores.
+
+    Each trial draws 1-3 crash points (any known point, at a random step), storage
+    fault rates (transient errors, lost responses, slow writes) and, with probability
+    1/2, a bit flip at rest in the newest version after a crash. It runs the job to
+    completion, resuming after each crash, and compares the trace with the golden one.
+    """
+    import tempfile
+
+    report = ChaosReport()
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        key_file = f"{tmp}/noise.key"
+        if key is not None:
+            with open(key_file, "wb") as f:
+                f.write(key)
+        reference = golden(config, f"{tmp}/gold.zarr", key_file=key_file)
+        points = sorted(hooks.KNOWN_POINTS)
+        for trial in range(trials):
+            report.trials += 1
+            plan = FaultPlan(
+                seed=rng.randrange(2**31),
+                transient=rng.choice([0.0, 0.05, 0.2]),
+                lost_response=rng.choice([0.0, 0.05]),
+                slow=rng.choice([0.0, 0.02]),
+                slow_s=0.001,
+            )
+            fs = faulty_filesystem("memory://", plan)
+            url = f"/chaos-{uuid.uuid4().hex}"
+            schedule = [
+                (rng.choice(points), rng.choice([None, rng.randrange(config.dp.steps)]))
+                for _ in range(rng.randint(1, 3))
+            ]
+            trace = Trace()
+            newest_seen = 0
+            allow_fallback = False
+            for point, step in [*schedule, (None, None)]:
+                if point is not None:
+                    crash_at(point, step=step)
+                try:
+                    run_job(
+                        config,
+                        url,
+                        fs=fs,
+                        key_file=key_file,
+                        on_step=trace.record,
+                        allow_fallback=allow_fallback,
+                    )
+                    done = True
+                except CrashPointHit:
+                    report.faults[f"crash: {point}"] += 1
+                    report.resumes += 1
+                    done = False
+                finally:
+                    disarm_all()
+                allow_fallback = False
+                fs.armed = False
+                store = Store.open(url, fs=fs)
+                latest = store.latest(allow_fallback=True)
+                step_now = latest.step if latest else 0
+                if step_now < newest_seen:
+                    report.lost_versions += 1
+                    report.failures.append(f"trial {trial}: newest step {step_now} < {newest_seen}")
+                newest_seen = max(newest_seen, step_now)
+                if not done and rng.random() < 0.5:
+                    chunk = _corrupt_newest(store, rng)
+                    if chunk is not None:
+                        report.faults["bit flip at rest"] += 1
+                        try:
+                            store.latest()
+                            report.undetected_corruptions += 1
+                            report.failures.append(f"trial {trial}: {chunk} damage not detected")
+                        except CorruptVersionError:
+                            report.detected_corruptions += 1
+                            allow_fallback = True  # resume from the version before it
+                            newest_seen = 0
+                fs.armed = True
+                if done:
+                    break
+            for kind, n in fs.injected.items():
+                report.faults[f"storage: {kind}"] += n
+            div = reference.first_divergence(trace)
+            if div is not None:
+                report.divergences += 1
+                report.failures.append(f"trial {trial} {schedule}: {div}")
+            fs.target.rm(url, recursive=True)
+    return report
