@@ -17,7 +17,28 @@ from .crash import CrashPointHit, crash_at, disarm_all
 from .faulty_fs import FaultPlan, faulty_filesystem
 from .golden import Trace, golden
 
-__all__ = ["ChaosReport", "run_chaos"]
+__all__ = ["ChaosReport", "draw_schedule", "run_chaos"]
+
+
+def draw_schedule(
+    config: JobConfig, n: int, rng: random.Random, points: list[str] | None = None
+) -> list[tuple[str, int | None]]:
+    """n (crash point, step) pairs at steps where each point really fires: noise and
+    trainer points at any step, checkpoint points at checkpoint steps, retention at its
+    next deletion (no step). Sorted by step, so an earlier crash does not skip a later."""
+    names = sorted(points or hooks.KNOWN_POINTS)
+    every, steps = config.checkpoint_every, config.dp.steps
+    ckpt_steps = sorted({*range(every, steps + 1, every), steps})
+    out: list[tuple[str, int | None]] = []
+    for _ in range(n):
+        name = rng.choice(names)
+        if name.startswith("retention."):
+            out.append((name, None))
+        elif name.startswith("checkpoint."):
+            out.append((name, rng.choice(ckpt_steps)))
+        else:
+            out.append((name, rng.randrange(steps)))
+    return sorted(out, key=lambda p: -1 if p[1] is None else p[1])
 
 
 @dataclass
@@ -100,7 +121,6 @@ def run_chaos(
             with open(key_file, "wb") as f:
                 f.write(key)
         reference = golden(config, f"{tmp}/gold.zarr", key_file=key_file)
-        points = sorted(hooks.KNOWN_POINTS)
         for trial in range(trials):
             report.trials += 1
             plan = FaultPlan(
@@ -112,10 +132,7 @@ def run_chaos(
             )
             fs = faulty_filesystem("memory://", plan)
             url = f"/chaos-{uuid.uuid4().hex}"
-            schedule = [
-                (rng.choice(points), rng.choice([None, rng.randrange(config.dp.steps)]))
-                for _ in range(rng.randint(1, 3))
-            ]
+            schedule = draw_schedule(config, rng.randint(1, 3), rng)
             trace = Trace()
             newest_seen = 0
             allow_fallback = False
@@ -138,7 +155,6 @@ def run_chaos(
                     done = False
                 finally:
                     disarm_all()
-                allow_fallback = False
                 fs.armed = False
                 store = Store.open(url, fs=fs)
                 latest = store.latest(allow_fallback=True)
@@ -147,7 +163,9 @@ def run_chaos(
                     report.lost_versions += 1
                     report.failures.append(f"trial {trial}: newest step {step_now} < {newest_seen}")
                 newest_seen = max(newest_seen, step_now)
-                if not done and rng.random() < 0.5:
+                # at most one at-rest flip a trial: retention keeps only a few versions,
+                # and one of them must stay intact to recover from
+                if not done and not allow_fallback and rng.random() < 0.5:
                     chunk = _corrupt_newest(store, rng)
                     if chunk is not None:
                         report.faults["bit flip at rest"] += 1
@@ -157,7 +175,8 @@ def run_chaos(
                             report.failures.append(f"trial {trial}: {chunk} damage not detected")
                         except CorruptVersionError:
                             report.detected_corruptions += 1
-                            allow_fallback = True  # resume from the version before it
+                            # from now on resume from the newest valid version
+                            allow_fallback = True
                             newest_seen = 0
                 fs.armed = True
                 if done:
