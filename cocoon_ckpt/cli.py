@@ -142,7 +142,9 @@ def _add_chaos(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Draw N random fault schedules (crash points at random steps, transient "
         "storage errors, lost responses, slow writes, bit flips at rest), run each to "
         "completion with resumes on a faulty memory:// store, and compare every step with an "
-        "uninterrupted run. Exit 1 if anything diverged, was lost or went undetected.",
+        "uninterrupted run; then run --kill-trials real subprocesses SIGKILLed at a crash "
+        "point and at random moments and compare their final models. Exit 1 if anything "
+        "diverged, was lost or went undetected.",
     )
     p.add_argument("--example", choices=["mlp", "dlrm"], default="mlp", help="(default mlp)")
     p.add_argument("--trials", type=int, default=200, help="schedules to draw (default 200)")
@@ -150,14 +152,23 @@ def _add_chaos(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--steps", type=int, default=24, help="steps per run (default 24)")
     p.add_argument("--bands", type=int, default=8, help="BandMF bands (default 8)")
     p.add_argument("--checkpoint-every", type=int, default=5, help="(default 5)")
+    p.add_argument(
+        "--kill-trials",
+        type=int,
+        default=10,
+        help="also run this many trials as real subprocesses SIGKILLed at a crash point "
+        "and at random moments, on local disk (default 10; each takes seconds)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
 def _chaos(args: argparse.Namespace) -> int:
-    from fault_injection import run_chaos
+    from fault_injection import run_chaos, run_kill_chaos
 
     if args.trials < 1:
         raise ValueError(f"--trials={args.trials} must be >= 1")
+    if args.kill_trials < 0:
+        raise ValueError(f"--kill-trials={args.kill_trials} must be >= 0")
     config = JobConfig(
         job=f"example:{args.example}",
         dp=DPConfig(
@@ -173,6 +184,13 @@ def _chaos(args: argparse.Namespace) -> int:
     # Every skipped damaged version and retried error is counted in the report.
     logging.getLogger("state").setLevel(logging.ERROR)
     report = run_chaos(config, trials=args.trials, seed=args.seed)
+    if args.kill_trials:
+        train_args = [
+            *("--example", args.example, "--steps", str(args.steps), "--bands", str(args.bands)),
+            *("--checkpoint-every", str(args.checkpoint_every), "--batch-size", "16"),
+            *("--dataset-size", "512"),
+        ]
+        run_kill_chaos(train_args, trials=args.kill_trials, seed=args.seed, report=report)
     if args.json:
         print(json.dumps(report.as_json()))
     else:

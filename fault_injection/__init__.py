@@ -1,7 +1,7 @@
 """fault_injection: crash points (raise or SIGKILL), faulty:// storage, and the golden-run
 comparator that proves a faulted, resumed run adds exactly the noise of an uninterrupted one."""
 
-from .chaos import ChaosReport, run_chaos
+from .chaos import ChaosReport, run_chaos, run_kill_chaos
 from .crash import CrashPointHit, arm_from_env, crash_at, disarm_all
 from .faulty_fs import FaultPlan, FaultyFileSystem, faulty_filesystem
 from .golden import Divergence, StepTrace, Trace, golden, verify
@@ -20,5 +20,6 @@ __all__ = [
     "faulty_filesystem",
     "golden",
     "run_chaos",
+    "run_kill_chaos",
     "verify",
 ]

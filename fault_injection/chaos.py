@@ -17,7 +17,7 @@ from .crash import CrashPointHit, crash_at, disarm_all
 from .faulty_fs import FaultPlan, faulty_filesystem
 from .golden import Trace, golden
 
-__all__ = ["ChaosReport", "draw_schedule", "run_chaos"]
+__all__ = ["ChaosReport", "draw_schedule", "run_chaos", "run_kill_chaos"]
 
 
 def draw_schedule(
@@ -47,6 +47,7 @@ class ChaosReport:
     or undetected corruption."""
 
     trials: int = 0
+    kill_trials: int = 0
     faults: Counter[str] = field(default_factory=Counter)
     resumes: int = 0
     divergences: int = 0
@@ -61,7 +62,8 @@ class ChaosReport:
 
     def table(self) -> str:
         rows = [
-            ("trials", self.trials),
+            ("trials (in-process, faulty storage)", self.trials),
+            ("trials (subprocess, SIGKILL)", self.kill_trials),
             *[(f"faults: {k}", v) for k, v in sorted(self.faults.items())],
             ("resumes", self.resumes),
             ("divergences", self.divergences),
@@ -102,7 +104,12 @@ def _corrupt_newest(store: Store, rng: random.Random) -> str | None:
 
 
 def run_chaos(
-    config: JobConfig, *, trials: int, seed: int, key: bytes | None = None
+    config: JobConfig,
+    *,
+    trials: int,
+    seed: int,
+    key: bytes | None = None,
+    report: ChaosReport | None = None,
 ) -> ChaosReport:
     """`trials` random fault schedules against `config` on faulty memory:// stores.
 
@@ -113,7 +120,7 @@ def run_chaos(
     """
     import tempfile
 
-    report = ChaosReport()
+    report = ChaosReport() if report is None else report
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory() as tmp:
         key_file = f"{tmp}/noise.key"
@@ -188,4 +195,93 @@ def run_chaos(
                 report.divergences += 1
                 report.failures.append(f"trial {trial} {schedule}: {div}")
             fs.target.rm(url, recursive=True)
+    return report
+
+
+def run_kill_chaos(
+    train_args: list[str], *, trials: int, seed: int, report: ChaosReport | None = None
+) -> ChaosReport:
+    """`trials` runs of `cocoon-ckpt train <train_args>` in subprocesses on local disk,
+    each SIGKILLed at random crash points and random moments, rerun until done; the
+    exported model must equal an uninterrupted run's bit for bit, and the newest
+    version must never move backwards. `train_args` must not name --store/--key-file.
+    """
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    import torch
+
+    report = ChaosReport() if report is None else report
+    rng = random.Random(seed)
+    cmd = [sys.executable, "-m", "cocoon_ckpt", "train", *train_args, "--no-progress"]
+    points = sorted(p for p in hooks.KNOWN_POINTS if p != "checkpoint.after_manifest_temp")
+    points.append("checkpoint.after_manifest_temp")  # fires on local disk only: here it does
+
+    def export(store: str, out: str) -> dict[str, torch.Tensor]:
+        subprocess.run(
+            [sys.executable, "-m", "cocoon_ckpt", "export", store, "--out", out],
+            check=True,
+            capture_output=True,
+        )
+        return torch.load(out)  # type: ignore[no-any-return]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        key = f"{tmp}/noise.key"
+        subprocess.run(
+            [*cmd, "--store", f"{tmp}/gold.zarr", "--key-file", key],
+            check=True,
+            capture_output=True,
+        )
+        gold = export(f"{tmp}/gold.zarr", f"{tmp}/gold.pt")
+        for trial in range(trials):
+            report.kill_trials += 1
+            store = f"{tmp}/t{trial}.zarr"
+            run = [*cmd, "--store", store, "--key-file", key]
+            newest_seen = 0
+            for attempt in range(6):
+                env = dict(os.environ)
+                timeout: float | None = None
+                if attempt == 0:
+                    point = rng.choice(points)
+                    env["COCOON_CRASH_AT"] = point
+                elif attempt < 4:
+                    timeout = rng.uniform(1.0, 6.0)
+                p = subprocess.Popen(
+                    run, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+                )
+                try:
+                    p.wait(timeout=timeout or 600)
+                except subprocess.TimeoutExpired:
+                    p.send_signal(signal.SIGKILL)
+                    p.wait()
+                if p.returncode == -signal.SIGKILL:
+                    report.faults[
+                        "SIGKILL at " + (point if attempt == 0 else "a random moment")
+                    ] += 1
+                    report.resumes += 1
+                elif p.returncode != 0:
+                    err = p.stderr.read().decode() if p.stderr else ""
+                    report.failures.append(
+                        f"kill trial {trial}: train exited {p.returncode}: {err}"
+                    )
+                    report.divergences += 1
+                    break
+                opened = Store.open(store)
+                latest = opened.latest()
+                step_now = latest.step if latest else 0
+                if step_now < newest_seen:
+                    report.lost_versions += 1
+                    report.failures.append(
+                        f"kill trial {trial}: newest step {step_now} < {newest_seen}"
+                    )
+                newest_seen = max(newest_seen, step_now)
+                if p.returncode == 0:
+                    got = export(store, f"{tmp}/t{trial}.pt")
+                    if not all(torch.equal(gold[k], got[k]) for k in gold):
+                        report.divergences += 1
+                        report.failures.append(f"kill trial {trial}: final model differs")
+                    break
     return report

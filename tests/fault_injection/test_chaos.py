@@ -40,6 +40,7 @@ def test_chaos_cli_json_and_exit_code() -> None:
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["ok"] and report["trials"] == 3 and report["divergences"] == 0
+    assert report["kill_trials"] == 1 and report["resumes"] >= 3
     bad = subprocess.run(
         [sys.executable, "-m", "cocoon_ckpt", "chaos", "--trials", "0"],
         capture_output=True,
