@@ -31,6 +31,8 @@ def test_chaos_cli_json_and_exit_code() -> None:
             "3",
             "--seed",
             "2",
+            "--kill-trials",
+            "1",
             "--json",
         ],
         capture_output=True,
