@@ -138,7 +138,7 @@ class Backend:
         tmp = f"{final}.{uuid.uuid4().hex}.partial"
         self._write_local_durable(tmp, data, private=private)
         os.replace(tmp, final)
-        _fsync_dir(parent)
+        _fsync_path(parent)
 
     def create_exclusive(self, rel: str, data: bytes, on_temp_durable: Any = None) -> None:
         """Create `rel` with `data` only if it does not exist: the commit primitive.
@@ -168,7 +168,7 @@ class Backend:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-        _fsync_dir(parent)
+        _fsync_path(parent)
 
     def create_once(self, rel: str, data: bytes, on_temp_durable: Any = None) -> None:
         """`create_exclusive`, retried on transient errors. A create whose response was
@@ -212,7 +212,7 @@ class Backend:
             list(pool.map(_fsync_path, folders))
         parent = os.path.dirname(top)
         while len(parent) >= len(self.root):
-            _fsync_dir(parent)
+            _fsync_path(parent)
             if parent == self.root:
                 break
             parent = os.path.dirname(parent)
@@ -254,14 +254,7 @@ class Backend:
 
 
 def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: str) -> None:
+    """fsync a file or a folder (a folder's fsync makes its new entries durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
