@@ -1,24 +1,73 @@
 """cocoon_ckpt: BandMF correlated-noise DP training whose noise state is checkpointed
 atomically, so a job can crash anywhere and resume with exactly the same noise."""
 
-from .accountant import Accountant, AccountingMethod, epsilon, noise_multiplier_for
-from .checkpoint import Checkpointer
-from .config import DPConfig, JobConfig
-from .errors import (
-    CocoonError,
-    ConfigMismatchError,
-    GeneratorMismatchError,
-    NoiseKeyError,
-    PrivacyBudgetError,
-    StateSchemaError,
-    UnsupportedModelError,
-)
-from .job import RunResult, export_model, run_job
-from .jobs import JobParts
-from .mechanism import BandMF, MechanismKind
-from .noise import BLOCK, GENERATOR_BACKEND, CorrelatedNoise, KeyedNoise
-from .sampler import CyclicPoissonSampler
-from .trainer import DPTrainer, StepResult
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names as static tools see them
+    from .accountant import Accountant, AccountingMethod, epsilon, noise_multiplier_for
+    from .checkpoint import Checkpointer
+    from .config import DPConfig, JobConfig
+    from .errors import (
+        CocoonError,
+        ConfigMismatchError,
+        GeneratorMismatchError,
+        NoiseKeyError,
+        PrivacyBudgetError,
+        StateSchemaError,
+        UnsupportedModelError,
+    )
+    from .job import RunResult, export_model, run_job
+    from .jobs import JobParts
+    from .mechanism import BandMF, MechanismKind
+    from .noise import BLOCK, GENERATOR_BACKEND, CorrelatedNoise, KeyedNoise
+    from .sampler import CyclicPoissonSampler
+    from .trainer import DPTrainer, StepResult
+
+# Names load on first use (PEP 562): `cocoon-ckpt inspect` and the other store-only
+# commands never import torch or dp-accounting, and start in a fraction of a second.
+_LAZY = {
+    "Accountant": "accountant",
+    "AccountingMethod": "accountant",
+    "BLOCK": "noise",
+    "BandMF": "mechanism",
+    "Checkpointer": "checkpoint",
+    "CocoonError": "errors",
+    "ConfigMismatchError": "errors",
+    "CorrelatedNoise": "noise",
+    "CyclicPoissonSampler": "sampler",
+    "DPConfig": "config",
+    "DPTrainer": "trainer",
+    "GENERATOR_BACKEND": "noise",
+    "GeneratorMismatchError": "errors",
+    "JobConfig": "config",
+    "JobParts": "jobs",
+    "KeyedNoise": "noise",
+    "MechanismKind": "mechanism",
+    "NoiseKeyError": "errors",
+    "PrivacyBudgetError": "errors",
+    "RunResult": "job",
+    "StateSchemaError": "errors",
+    "StepResult": "trainer",
+    "UnsupportedModelError": "errors",
+    "epsilon": "accountant",
+    "export_model": "job",
+    "noise_multiplier_for": "accountant",
+    "run_job": "job",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "BLOCK",

@@ -22,20 +22,13 @@ import torch
 from state import ArrayMeta, Manifest, Store, Version, hooks
 
 from .accountant import Accountant
+from .layout import ring_name
 from .noise import generator_backend
 from .trainer import DPTrainer
 
 __all__ = ["Checkpointer", "Snapshot", "model_state", "restore_trainer_state"]
 
 log = logging.getLogger("cocoon_ckpt.checkpoint")
-
-THREAT_MODEL_DEFAULT = "intermediate_iterates"
-"""Every version carries full noise state: secure against an adversary who sees every
-intermediate model (the standard BandMF guarantee)."""
-
-
-def _ring_name(shard: int, step: int) -> str:
-    return f"ring/shard-{shard:04d}/w-{step:08d}"
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -83,7 +76,7 @@ def take_snapshot(
     for slot, step in enumerate(noise.slot_steps):
         if step is None:
             continue
-        name = _ring_name(0, step)
+        name = ring_name(0, step)
         slots.append([slot, step, name])
         if parent is not None and step < parent.step and name in parent.arrays:
             snap.references[name] = parent.arrays[name]

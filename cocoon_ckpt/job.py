@@ -20,10 +20,11 @@ import torch
 from state import Store, StoreError, Version
 
 from . import config as cfgmod
-from .checkpoint import THREAT_MODEL_DEFAULT, Checkpointer, model_state, restore_trainer_state
+from .checkpoint import Checkpointer, model_state, restore_trainer_state
 from .config import JobConfig
 from .errors import ConfigMismatchError, NoiseKeyError
 from .jobs import JobParts, resolve
+from .layout import KEY_SECRET, THREAT_MODEL_DEFAULT
 from .noise import check_generator_backend
 from .trainer import DPTrainer, StepResult
 
@@ -38,7 +39,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("cocoon_ckpt.job")
-KEY_SECRET = "noise.key"
 
 
 def key_id(key: bytes) -> str:
@@ -133,6 +133,10 @@ def run_job(
         CorruptVersionError: the newest version is damaged and fallback is off.
     """
     store = Store.open(store_url, storage_options=storage_options, fs=fs)
+    if store.versions():
+        # A resume whose key is missing is refused before the lease is taken: a
+        # refused resume leaves the store exactly as it was.
+        _load_key(store, key_file, create=False)
     store.acquire_lease(takeover=takeover)
     ckpt: Checkpointer | None = None
     try:

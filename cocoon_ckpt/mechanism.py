@@ -13,8 +13,6 @@ import math
 from typing import Any
 
 import numpy as np
-import torch
-from scipy.optimize import minimize
 
 from ._state_dict import check_state
 
@@ -95,6 +93,11 @@ class BandMF:
         Starts from the banded square root and runs L-BFGS with torch autograd, so the
         result is never worse than `banded_sqrt` on `loss()`.
         """
+        # torch and scipy load here, not at import: `cocoon-ckpt inspect` and other
+        # store-only commands never need them and start in a fraction of the time.
+        import torch
+        from scipy.optimize import minimize
+
         start = cls.banded_sqrt(bands, steps)
         if bands == 1:
             return cls(start.coefficients, steps=steps, kind=MechanismKind.OPTIMIZED)

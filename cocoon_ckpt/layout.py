@@ -1,0 +1,41 @@
+"""Names cocoon_ckpt gives things in a store: array names, kinds, the key, threat models.
+
+Import-light on purpose (no torch): the store-only commands use it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "KEY_SECRET",
+    "THREAT_MODELS",
+    "THREAT_MODEL_DEFAULT",
+    "array_kind",
+    "ring_name",
+]
+
+#: The noise key's secret name in the store (`secret/noise.key`), unless a key file is used.
+KEY_SECRET = "noise.key"
+
+THREAT_MODEL_DEFAULT = "intermediate_iterates"
+"""Every version carries full noise state: secure against an adversary who sees every
+intermediate model (the standard BandMF guarantee)."""
+
+#: What each threat model promises; audit, inspect and export print it.
+THREAT_MODELS = {
+    "intermediate_iterates": "every version carries the full noise state: private against "
+    "an adversary who sees every intermediate model (the standard BandMF guarantee)",
+    "final_model": "coalesced embedding noise: only the exported final model is private; "
+    "an intermediate checkpoint does not carry the full noise of cold rows and must not "
+    "be released",
+}
+
+
+def array_kind(name: str) -> str:
+    """The kind of a version's array, from its name: model, optimizer, ring, rng, csc."""
+    top = name.split("/", 1)[0]
+    return "optimizer" if top == "optim" else top
+
+
+def ring_name(shard: int, step: int) -> str:
+    """The array holding w of `step` for ring shard `shard`."""
+    return f"ring/shard-{shard:04d}/w-{step:08d}"
