@@ -5,15 +5,21 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from state import StoreError
+from state import (
+    CorruptVersionError,
+    FormatVersionError,
+    StoreError,
+    StoreNotFoundError,
+    VersionNotFoundError,
+)
 
 from .config import DPConfig, JobConfig
-from .errors import CocoonError
-from .job import export_model, run_job
+from .errors import CocoonError, ConfigMismatchError, NoiseKeyError
 from .mechanism import MechanismKind
 
 __all__ = ["main"]
@@ -61,42 +67,54 @@ def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     which.add_argument(
         "--job", default=None, help="your own job as module:function returning JobParts"
     )
+    which.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="the whole job as JSON (the 'config' that `inspect URL --version V --json` "
+        "prints); replaces the job and privacy flags below",
+    )
     p.add_argument(
         "--store",
         default=None,
         help="store URL: local path, memory://, s3://... (default: runs/<example>.zarr)",
     )
-    p.add_argument("--steps", type=int, default=50, help="total training steps n (default 50)")
+    p.add_argument("--steps", type=int, default=None, help="total training steps n (default 50)")
     p.add_argument(
-        "--checkpoint-every", type=int, default=10, help="steps between checkpoints K (default 10)"
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        help="steps between checkpoints K (default 10)",
     )
-    p.add_argument("--seed", type=int, default=0, help="sampler and init seed (default 0)")
-    p.add_argument("--bands", type=int, default=8, help="BandMF bands b; 1 = DP-SGD (default 8)")
-    p.add_argument("--batch-size", type=int, default=32, help="expected batch size B (default 32)")
+    p.add_argument("--seed", type=int, default=None, help="sampler and init seed (default 0)")
+    p.add_argument("--bands", type=int, default=None, help="BandMF bands b; 1 = DP-SGD (default 8)")
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="expected batch size B (default 32)"
+    )
     p.add_argument(
         "--dataset-size",
         type=int,
-        default=2048,
+        default=None,
         help="examples N in the synthetic dataset (default 2048)",
     )
     p.add_argument(
         "--noise-multiplier",
         type=float,
-        default=1.0,
+        default=None,
         help="sigma; fresh noise std = sigma * clip (default 1.0)",
     )
-    p.add_argument("--clip", type=float, default=1.0, help="per-sample L2 clip norm (default 1.0)")
+    p.add_argument("--clip", type=float, default=None, help="per-sample L2 clip norm (default 1.0)")
     p.add_argument(
-        "--delta", type=float, default=1e-5, help="delta of reported epsilon (default 1e-5)"
+        "--delta", type=float, default=None, help="delta of reported epsilon (default 1e-5)"
     )
     p.add_argument(
         "--mechanism",
         choices=[m.value for m in MechanismKind if m is not MechanismKind.CUSTOM],
-        default="banded_sqrt",
+        default=None,
         help="band coefficients (default banded_sqrt)",
     )
-    p.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1)")
-    p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd", help="(default sgd)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default 0.1)")
+    p.add_argument("--optimizer", choices=["sgd", "adam"], default=None, help="(default sgd)")
     p.add_argument(
         "--key-file",
         default=None,
@@ -133,6 +151,85 @@ def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--out", required=True, help="output file for the state_dict")
     _add_storage_options(p)
     p.add_argument("--json", action="store_true", help="print the privacy report as JSON")
+
+
+def _add_inspect(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help="list a store's versions: steps, sizes by kind, placement, threat model, epsilon",
+        description="Read the manifests (no array is read) and describe every version: step, "
+        "bytes written and referenced by kind (model, optimizer, ring, rng, csc), where the "
+        "noise history lies, threat model and epsilon. With --version, that version's full "
+        "config and array list.",
+    )
+    p.add_argument("url", help="store URL")
+    p.add_argument("--version", type=int, default=None, help="describe only this version")
+    _add_storage_options(p)
+    p.add_argument("--json", action="store_true", help="print the description as JSON")
+
+
+def _add_audit(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "audit",
+        help="verify every checksum, regenerate the noise from the key, recompute epsilon",
+        description="Check a store and change nothing: the manifest chain; every array's "
+        "checksum; the stored ring slots against noise regenerated from the key at K random "
+        "coordinates over all steps; epsilon recomputed from the recorded configuration; the "
+        "config fingerprint and key id of every version; who can read the store; the threat "
+        "model. Exit 0 when all holds, 1 with a list of findings, 2 on usage errors.",
+    )
+    p.add_argument("url", help="store URL")
+    p.add_argument(
+        "--coordinates",
+        type=int,
+        default=256,
+        metavar="K",
+        help="noise coordinates to regenerate over all steps (default 256; all if >= the "
+        "model size)",
+    )
+    p.add_argument(
+        "--key-file", default=None, help="the noise key, for a job that kept it outside the store"
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of the coordinate choice (default: random, printed, so a run can be repeated)",
+    )
+    p.add_argument("--plot", default=None, metavar="DIR", help="also write PNG plots to DIR")
+    _add_storage_options(p)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _add_diff(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "diff",
+        help="what changed between two versions",
+        description="Arrays added, removed, changed, shared by path, and every record field "
+        "that differs between versions V1 and V2 (manifests only).",
+    )
+    p.add_argument("url", help="store URL")
+    p.add_argument("v1", type=int, help="older version")
+    p.add_argument("v2", type=int, help="newer version")
+    _add_storage_options(p)
+    p.add_argument("--json", action="store_true", help="print the diff as JSON")
+
+
+def _add_gc(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "gc",
+        help="delete all but the newest N versions and what nothing kept references",
+        description="Keep the N newest versions (N >= 2) and the newest valid one; delete "
+        "other manifests, unreferenced version folders and leftover .partial files. Takes the "
+        "writer lease first, so it refuses while a job is writing.",
+    )
+    p.add_argument("url", help="store URL")
+    p.add_argument("--keep", type=int, required=True, metavar="N", help="versions to keep (>= 2)")
+    p.add_argument(
+        "--takeover", action="store_true", help="take the lease even if its holder looks alive"
+    )
+    _add_storage_options(p)
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def _add_chaos(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -210,33 +307,92 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     _add_train(sub)
     _add_export(sub)
+    _add_inspect(sub)
+    _add_audit(sub)
+    _add_diff(sub)
+    _add_gc(sub)
     _add_chaos(sub)
     return p
 
 
-def _train(args: argparse.Namespace) -> int:
+#: The job and privacy flags of `train`, their defaults, and the JobConfig field each sets.
+_TRAIN_FLAGS: dict[str, tuple[Any, str]] = {
+    "steps": (50, "dp.steps"),
+    "batch_size": (32, "dp.batch_size"),
+    "dataset_size": (2048, "dp.dataset_size"),
+    "noise_multiplier": (1.0, "dp.noise_multiplier"),
+    "clip": (1.0, "dp.max_grad_norm"),
+    "bands": (8, "dp.bands"),
+    "delta": (1e-5, "dp.delta"),
+    "mechanism": ("banded_sqrt", "dp.mechanism"),
+    "seed": (0, "dp.seed"),
+    "lr": (0.1, "lr"),
+    "optimizer": ("sgd", "optimizer"),
+}
+
+
+def _read_config_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"--config {path}: cannot read it ({exc.strerror})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--config {path}: not valid JSON ({exc})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("dp"), dict):
+        raise ValueError(
+            f"--config {path}: must be a JSON object with 'job' and a 'dp' object, as the "
+            "'config' that `cocoon-ckpt inspect URL --version V --json` prints"
+        )
+    return doc
+
+
+def _train_config(args: argparse.Namespace) -> tuple[JobConfig, str]:
+    given = [k for k in _TRAIN_FLAGS if getattr(args, k) is not None]
+    if args.config is not None:
+        if given or args.example or args.job:
+            flags = ", ".join("--" + k.replace("_", "-") for k in given) or "--example/--job"
+            raise ValueError(f"--config sets the whole job; drop {flags} or drop --config")
+        rec = _read_config_file(args.config)
+        if args.checkpoint_every is not None:
+            rec["checkpoint_every"] = args.checkpoint_every
+        rec["async_checkpoint"] = not args.sync_checkpoints
+        try:
+            config = JobConfig.from_record(rec)
+        except (TypeError, KeyError) as exc:
+            raise ValueError(f"--config {args.config}: {exc}") from None
+        name = config.job.partition(":")[2] if config.job.startswith("example:") else "job"
+        return config, args.store or f"runs/{name}.zarr"
+    v = {
+        k: (d if getattr(args, k) is None else getattr(args, k))
+        for k, (d, _) in _TRAIN_FLAGS.items()
+    }
     example = args.example or ("mlp" if args.job is None else None)
     job = f"example:{example}" if example else args.job
-    store = args.store or f"runs/{example or 'job'}.zarr"
     config = JobConfig(
         job=job,
         dp=DPConfig(
-            steps=args.steps,
-            batch_size=args.batch_size,
-            dataset_size=args.dataset_size,
-            noise_multiplier=args.noise_multiplier,
-            max_grad_norm=args.clip,
-            bands=args.bands,
-            delta=args.delta,
-            mechanism=MechanismKind(args.mechanism),
-            seed=args.seed,
+            steps=v["steps"],
+            batch_size=v["batch_size"],
+            dataset_size=v["dataset_size"],
+            noise_multiplier=v["noise_multiplier"],
+            max_grad_norm=v["clip"],
+            bands=v["bands"],
+            delta=v["delta"],
+            mechanism=MechanismKind(v["mechanism"]),
+            seed=v["seed"],
         ),
-        lr=args.lr,
-        optimizer=args.optimizer,
-        checkpoint_every=args.checkpoint_every,
+        lr=v["lr"],
+        optimizer=v["optimizer"],
+        checkpoint_every=10 if args.checkpoint_every is None else args.checkpoint_every,
         async_checkpoint=not args.sync_checkpoints,
         log_level=args.log_level,
     )
+    return config, args.store or f"runs/{example or 'job'}.zarr"
+
+
+def _train(args: argparse.Namespace) -> int:
+    config, store = _train_config(args)
     bar: Any = None
     on_step = None
     if not args.no_progress:
@@ -244,15 +400,21 @@ def _train(args: argparse.Namespace) -> int:
 
         bar = tqdm(total=config.dp.steps, desc="train", unit="step", file=sys.stderr)
 
+        shown = {"eps": "-", "ckpt": "-"}
+
         def on_step(res: Any, trainer: Any) -> None:
             if bar.n == 0 and res.step > 0:
-                bar.update(res.step)
-            bar.set_postfix(loss=f"{res.loss:.4f}", batch=res.batch_size, refresh=False)
-            bar.update(1)
+                bar.update(res.step)  # resumed: start the bar where the job is
             if trainer.step_index % config.checkpoint_every == 0:
-                bar.set_postfix(
-                    loss=f"{res.loss:.4f}", eps=f"{trainer.epsilon():.3f}", ckpt=trainer.step_index
-                )
+                # epsilon is cached per participation round: cheap here
+                shown["eps"] = f"{trainer.epsilon():.3f}"
+                shown["ckpt"] = str(trainer.step_index)
+            bar.set_postfix(
+                loss=f"{res.loss:.4f}", eps=shown["eps"], last_ckpt=shown["ckpt"], refresh=False
+            )
+            bar.update(1)
+
+    from .job import run_job
 
     try:
         result = run_job(
@@ -289,6 +451,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from .job import export_model
+
     report = export_model(args.url, args.out, storage_options=_storage_options(args))
     if args.json:
         print(json.dumps(report))
@@ -300,30 +464,149 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .catalog import inspect_store
+
+    out = inspect_store(args.url, version=args.version, storage_options=_storage_options(args))
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{out['store']}: format {out['format_version']}, created {out['created']}")
+    job = out.get("job")
+    if job:
+        print(
+            f"job {job['job']} ({job['fingerprint']}): {job['steps_total']} steps, "
+            f"b={job['bands']} {job['mechanism']}, sigma={job['noise_multiplier']}, "
+            f"m={job['dim']}, key in {job['key_location']}"
+        )
+        print(f"threat model {job['threat_model']}: {job['threat_model_means']}")
+    print(f"{'version':>7} {'step':>6} {'written':>10} {'total':>10} {'epsilon':>9}  kinds written")
+    for v in out["versions"]:
+        kinds = ", ".join(f"{k} {_size(n)}" for k, n in v["bytes_written_by_kind"].items())
+        eps = "-" if v["epsilon"] is None else f"{v['epsilon']:.4f}"
+        done = " (complete)" if v["complete"] else ""
+        print(
+            f"{v['version']:>7} {v['step']:>6} {_size(v['bytes_written']):>10} "
+            f"{_size(v['bytes_total']):>10} {eps:>9}  {kinds}{done}"
+        )
+        for s in v["placement"]:
+            print(f"{'':>16}noise [{s['start']}, {s['stop']}) on {s['tier']}, {s['slots']} slots")
+    for d in out["damaged_manifests"]:
+        print(f"DAMAGED version {d['version']}: {d['error']}")
+    holder = out["lease_holder"]
+    if holder is None:
+        writer = "none ever"
+    else:
+        state = "released" if holder.get("released") else "held"
+        writer = f"{holder['owner']} (generation {holder['generation']}, {state})"
+    print(f"writer lease: {writer}; noise key in store: {out['key_in_store']}")
+    return 0
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from .audit import audit_store
+
+    report = audit_store(
+        args.url,
+        coordinates=args.coordinates,
+        key_file=args.key_file,
+        seed=args.seed,
+        storage_options=_storage_options(args),
+        plot_dir=args.plot,
+    )
+    print(json.dumps(report.as_json()) if args.json else report.text())
+    return 0 if report.ok else 1
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from .catalog import diff_versions
+
+    d = diff_versions(args.url, args.v1, args.v2, storage_options=_storage_options(args))
+    if args.json:
+        print(json.dumps(d))
+        return 0
+    print(
+        f"version {args.v1} (step {d['from']['step']}) -> {args.v2} (step {d['to']['step']})"
+        + ("" if d["same_job"] else "  DIFFERENT JOBS")
+    )
+    for key in ("added", "removed", "changed", "shared"):
+        names = d[f"arrays_{key}"]
+        print(
+            f"  arrays {key:<8} {len(names):>4}  {' '.join(names[:6])}{' ...' * (len(names) > 6)}"
+        )
+    print(f"  bytes added     {_size(d['bytes_added'])}")
+    for k, ch in d["records_changed"].items():
+        if k != "noise.shards":
+            print(f"  {k}: {ch['from']!r} -> {ch['to']!r}")
+    return 0
+
+
+def _gc(args: argparse.Namespace) -> int:
+    from .catalog import collect_garbage
+
+    out = collect_garbage(
+        args.url, keep=args.keep, storage_options=_storage_options(args), takeover=args.takeover
+    )
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(
+            f"kept versions {out['versions_kept']}; deleted {len(out['deleted'])} paths, "
+            f"freed {_size(out['bytes_freed'])}"
+        )
+    return 0
+
+
+#: Errors that mean the input was wrong (exit 2), not that a valid request was refused.
+_USAGE_ERRORS = (StoreNotFoundError, FormatVersionError, VersionNotFoundError, NoiseKeyError)
+
+
+def _exit_code(exc: BaseException) -> int:
+    if isinstance(exc, (CorruptVersionError, ConfigMismatchError)):
+        return 1  # a valid request the store or job refused
+    if isinstance(exc, _USAGE_ERRORS):
+        return 2
+    if isinstance(exc, (CocoonError, StoreError)):
+        return 1
+    return 2 if isinstance(exc, ValueError) else 1
+
+
+_COMMANDS = {
+    "train": _train,
+    "export": _export,
+    "inspect": _inspect,
+    "audit": _audit,
+    "diff": _diff,
+    "gc": _gc,
+    "chaos": _chaos,
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point. Exit codes: 0 ok, 1 the job or store refused, 2 usage errors."""
+    """Entry point. Exit codes: 0 ok; 1 the job or store refused, or audit findings;
+    2 usage errors (bad arguments, not a store, a newer format, a missing version or key)."""
     parser = _parser()
     args = parser.parse_args(argv)
     # Crash points for kill tests (COCOON_CRASH_AT); nothing is armed without it.
-    from fault_injection import arm_from_env
+    if os.environ.get("COCOON_CRASH_AT"):
+        from fault_injection.crash import arm_from_env
 
-    arm_from_env()
+        arm_from_env()
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
-        if args.command == "train":
-            return _train(args)
-        if args.command == "chaos":
-            return _chaos(args)
-        return _export(args)
-    except (CocoonError, StoreError) as exc:  # the job or the store refused
-        print(f"cocoon-ckpt: error: {exc}", file=sys.stderr)
-        return 1
-    except ValueError as exc:  # a bad argument value
-        print(f"cocoon-ckpt: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"cocoon-ckpt: error: {exc}", file=sys.stderr)
-        return 1
+        return _COMMANDS[args.command](args)
+    except (CocoonError, StoreError, ValueError, OSError) as exc:
+        msg = " ".join(str(exc).split())  # one line, whatever the message holds
+        print(f"cocoon-ckpt: error: {msg}", file=sys.stderr)
+        return _exit_code(exc)
 
 
 if __name__ == "__main__":
