@@ -25,6 +25,7 @@ from . import config as cfgmod
 from .accountant import epsilon as compute_epsilon
 from .catalog import own_prefix
 from .errors import NoiseKeyError
+from .gemv import mix_history
 from .job import key_id
 from .layout import KEY_SECRET, THREAT_MODEL_DEFAULT, THREAT_MODELS
 from .mechanism import BandMF
@@ -285,8 +286,9 @@ def _regenerate(
             zb = fresh.fresh(t, lo, hi)
             z[sel] = zb[torch.from_numpy(coords[sel] - lo)]
         if slots:
-            mix = mechanism.mixing_vector(t).astype(ring.numpy().dtype)
-            w = (z - torch.from_numpy(mix @ ring.numpy())) / c0
+            # the engine's kernel: one order of rounding, so any subset of coordinates
+            # reproduces the stored values bit for bit
+            w = (z - torch.from_numpy(mix_history(mechanism.mixing_vector(t), ring.numpy()))) / c0
             ring[t % slots].copy_(w)
         else:
             w = z / c0

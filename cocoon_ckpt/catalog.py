@@ -13,7 +13,20 @@ from state import CorruptVersionError, Manifest, Store
 
 from .layout import KEY_SECRET, THREAT_MODEL_DEFAULT, THREAT_MODELS, array_kind
 
-__all__ = ["collect_garbage", "diff_versions", "inspect_store", "own_prefix"]
+__all__ = ["collect_garbage", "diff_versions", "inspect_store", "own_prefix", "placement"]
+
+
+def placement(noise: dict[str, Any]) -> list[dict[str, Any]]:
+    """Where the history lay when a version was written: (start, stop, tier, slots)
+    per tier shard. Versions from before tiers existed held it all on the host."""
+    slots = sum(len(s["slots"]) for s in noise.get("shards", []))
+    where = noise.get("placement") or [
+        {"tier": s.get("tier", "host"), "start": s["start"], "stop": s["stop"]}
+        for s in noise.get("shards", [])
+    ]
+    return [
+        {"start": p["start"], "stop": p["stop"], "tier": p["tier"], "slots": slots} for p in where
+    ]
 
 
 def own_prefix(m: Manifest) -> str:
@@ -44,15 +57,8 @@ def _version_summary(m: Manifest) -> dict[str, Any]:
         "bytes_total": sum(total.values()),
         "bytes_written_by_kind": dict(sorted(own.items())),
         "bytes_total_by_kind": dict(sorted(total.items())),
-        "placement": [
-            {
-                "start": s["start"],
-                "stop": s["stop"],
-                "tier": s["tier"],
-                "slots": len(s["slots"]),
-            }
-            for s in noise.get("shards", [])
-        ],
+        "placement": placement(noise),
+        "plan": noise.get("plan"),
         "history_bytes": noise.get("history_bytes"),
     }
 

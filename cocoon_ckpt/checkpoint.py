@@ -81,7 +81,7 @@ def take_snapshot(
         if parent is not None and step < parent.step and name in parent.arrays:
             snap.references[name] = parent.arrays[name]
         else:
-            snap.arrays[name] = noise.ring[slot].numpy().copy()
+            snap.arrays[name] = noise.history.read(slot)
     snap.records.update(
         {
             "trainer": {"step": trainer.step_index},
@@ -96,9 +96,11 @@ def take_snapshot(
                 "head": (noise.t % (trainer.mechanism.bands - 1))
                 if trainer.mechanism.bands > 1
                 else 0,
-                "shards": [
-                    {"start": noise.start, "stop": noise.stop, "tier": "host", "slots": slots}
-                ],
+                # storage: whole-width slots, whatever the placement, so a resume on
+                # other tiers re-plans and loads the same arrays
+                "shards": [{"start": noise.start, "stop": noise.stop, "slots": slots}],
+                "placement": noise.history.placement(),
+                "plan": noise.history.plan,
                 "history_bytes": noise.history_bytes(),
             },
             "generator": generator_backend(),
@@ -138,7 +140,8 @@ def restore_trainer_state(trainer: DPTrainer, version: Version) -> None:
         }
     nrec = rec["noise"]
     (shard,) = nrec["shards"]
-    ring = torch.zeros_like(trainer.noise.ring)
+    hist = trainer.noise.history
+    ring = torch.zeros(hist.slots, hist.width, dtype=trainer.noise.dtype)
     slot_steps: list[int | None] = [None] * ring.shape[0]
     for slot, step, name in shard["slots"]:
         ring[slot] = torch.from_numpy(version.array(name).copy())

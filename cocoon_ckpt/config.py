@@ -11,11 +11,14 @@ from typing import Any
 
 from .errors import ConfigMismatchError
 from .mechanism import MechanismKind
+from .tiers.config import TierConfig
 
 __all__ = ["HARMLESS_FIELDS", "DPConfig", "JobConfig", "config_differences", "fingerprint"]
 
 #: Fields a resume may change: they affect neither the noise nor the parameters.
 HARMLESS_FIELDS = frozenset({"checkpoint_every", "keep_last", "async_checkpoint", "log_level"})
+#: Whole sections a resume may change: where the history lives never changes the noise.
+HARMLESS_SECTIONS = frozenset({"tiers"})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -107,6 +110,9 @@ class JobConfig:
     """Write checkpoints in a background thread (harmless)."""
     log_level: str = "WARNING"
     """Logging level (harmless)."""
+    tiers: TierConfig | None = None
+    """Where the noise history lives (device, host, far); None: all on the host
+    (harmless: the noise is bit-identical on any tiers)."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("sgd", "adam"):
@@ -126,12 +132,15 @@ class JobConfig:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["dp"] = self.dp.to_record()
         d["options"] = dict(self.options)
+        d["tiers"] = self.tiers.to_record() if self.tiers is not None else None
         return d
 
     @classmethod
     def from_record(cls, d: dict[str, Any]) -> JobConfig:
         d = dict(d)
         d["dp"] = DPConfig.from_record(d["dp"])
+        if d.get("tiers") is not None:
+            d["tiers"] = TierConfig.from_record(d["tiers"])
         return cls(**d)
 
 
@@ -146,7 +155,11 @@ def _flat(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _relevant(record: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in _flat(record).items() if k.split(".")[-1] not in HARMLESS_FIELDS}
+    return {
+        k: v
+        for k, v in _flat(record).items()
+        if k.split(".")[-1] not in HARMLESS_FIELDS and k.split(".")[0] not in HARMLESS_SECTIONS
+    }
 
 
 def fingerprint(record: dict[str, Any], model_shapes: dict[str, list[int]]) -> str:

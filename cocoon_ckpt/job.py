@@ -91,7 +91,15 @@ def build_trainer(
     config: JobConfig, key: bytes, builder: Callable[..., JobParts] | None = None
 ) -> DPTrainer:
     parts = (builder or resolve(config.job))(config)
-    return DPTrainer(parts.model, parts.optimizer, parts.loss_fn, parts.data, config.dp, key)
+    return DPTrainer(
+        parts.model,
+        parts.optimizer,
+        parts.loss_fn,
+        parts.data,
+        config.dp,
+        key,
+        tiers=config.tiers,
+    )
 
 
 def model_shapes(trainer: DPTrainer) -> dict[str, list[int]]:
@@ -139,6 +147,7 @@ def run_job(
         _load_key(store, key_file, create=False)
     store.acquire_lease(takeover=takeover)
     ckpt: Checkpointer | None = None
+    trainer: DPTrainer | None = None
     try:
         latest = store.latest(allow_fallback=allow_fallback)
         key = _load_key(store, key_file, create=latest is None)
@@ -192,7 +201,11 @@ def run_job(
             if ckpt is not None:
                 ckpt.close()  # re-raises a failed background write
         finally:
-            store.release_lease()  # even then: this process is done writing
+            try:
+                if trainer is not None:
+                    trainer.close()  # frees the history's tiers (a far worker)
+            finally:
+                store.release_lease()  # even then: this process is done writing
 
 
 def _check_compatible(

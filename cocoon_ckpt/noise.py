@@ -11,7 +11,7 @@ no memory is ever shifted.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -20,7 +20,11 @@ from state import hooks
 
 from ._state_dict import check_state
 from .errors import GeneratorMismatchError
+from .gemv import GEMV_SCHEME
 from .mechanism import BandMF
+
+if TYPE_CHECKING:
+    from .tiers.history import TieredHistory
 
 __all__ = ["BLOCK", "GENERATOR_BACKEND", "CorrelatedNoise", "KeyedNoise", "generator_backend"]
 
@@ -33,8 +37,13 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 def generator_backend() -> dict[str, str]:
     """The generator backend record: scheme plus the torch build that realises it
-    (torch may change its sampling algorithm between releases)."""
-    return {"scheme": GENERATOR_BACKEND, "torch": torch.__version__.split("+")[0]}
+    (torch may change its sampling algorithm between releases), and the history GEMV's
+    order of rounding (`cocoon_ckpt.gemv`)."""
+    return {
+        "scheme": GENERATOR_BACKEND,
+        "torch": torch.__version__.split("+")[0],
+        "gemv": GEMV_SCHEME,
+    }
 
 
 def check_generator_backend(recorded: dict[str, Any], *, allow_change: bool = False) -> None:
@@ -136,6 +145,7 @@ class CorrelatedNoise:
         noise_std: sigma * clip.
         dtype: float32 or float64.
         start, stop: the coordinate range this instance serves (a shard); whole by default.
+        history: where the ring lives (`cocoon_ckpt.tiers`); one host tier by default.
     """
 
     def __init__(
@@ -148,6 +158,7 @@ class CorrelatedNoise:
         *,
         start: int = 0,
         stop: int | None = None,
+        history: TieredHistory | None = None,
     ) -> None:
         self.mechanism = mechanism
         self.fresh_noise = KeyedNoise(key, dim, noise_std, dtype)
@@ -158,7 +169,21 @@ class CorrelatedNoise:
         self.dtype = self.fresh_noise.dtype
         self.t = 0
         slots = mechanism.bands - 1
-        self.ring = torch.zeros(slots, self.stop - self.start, dtype=self.dtype)
+        np_dtype = "float64" if self.dtype == torch.float64 else "float32"
+        if history is None:
+            from .tiers.history import TieredHistory
+
+            history = TieredHistory.single_host(slots, self.stop - self.start, np_dtype)
+        elif (history.slots, history.width, history.dtype.name) != (
+            slots,
+            self.stop - self.start,
+            np_dtype,
+        ):
+            raise ValueError(
+                f"history is ({history.slots}, {history.width}) {history.dtype}, the shard "
+                f"needs ({slots}, {self.stop - self.start}) {np_dtype}"
+            )
+        self.history = history
         self.slot_steps: list[int | None] = [None] * slots
         self._c0 = float(mechanism.coefficients[0])
 
@@ -166,8 +191,17 @@ class CorrelatedNoise:
     def width(self) -> int:
         return self.stop - self.start
 
+    @property
+    def ring(self) -> torch.Tensor:
+        """A copy of the ring, (b-1, width), gathered from the tiers."""
+        return torch.from_numpy(self.history.gather())
+
     def history_bytes(self) -> int:
-        return self.ring.numel() * self.ring.element_size()
+        return self.history.nbytes
+
+    def close(self) -> None:
+        """Free the history's tiers (stops a far-memory worker)."""
+        self.history.close()
 
     def step(self) -> torch.Tensor:
         """Produce w_t for the current t, push it into the ring, advance t.
@@ -181,12 +215,11 @@ class CorrelatedNoise:
         hooks.point("noise.after_fresh", step=t)
         slots = self.mechanism.bands - 1
         if slots:
-            mix = self.mechanism.mixing_vector(t).astype(self.ring.numpy().dtype)
-            # OpenBLAS sgemv/dgemv through numpy streams the ring at memory bandwidth.
-            hist = torch.from_numpy(mix @ self.ring.numpy())
+            # Each tier computes its columns where they lie, in one order of rounding.
+            hist = torch.from_numpy(self.history.gemv(self.mechanism.mixing_vector(t)))
             hooks.point("noise.after_gemv", step=t)
             w = (z - hist) / self._c0
-            self.ring[t % slots].copy_(w)
+            self.history.write(t % slots, w.numpy())
             self.slot_steps[t % slots] = t
         else:
             w = z / self._c0
@@ -211,7 +244,7 @@ class CorrelatedNoise:
             "stop": self.stop,
             "dtype": str(self.dtype).removeprefix("torch."),
             "slot_steps": list(self.slot_steps),
-            "ring": self.ring.clone(),
+            "ring": self.ring,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -222,11 +255,11 @@ class CorrelatedNoise:
                 f"instance's [{self.start}, {self.stop})"
             )
         ring = torch.as_tensor(state["ring"])
-        if tuple(ring.shape) != tuple(self.ring.shape) or ring.dtype != self.dtype:
+        want = (self.history.slots, self.history.width)
+        if tuple(ring.shape) != want or ring.dtype != self.dtype:
             raise ValueError(
-                f"ring is {ring.dtype}{tuple(ring.shape)}, expected "
-                f"{self.dtype}{tuple(self.ring.shape)}"
+                f"ring is {ring.dtype}{tuple(ring.shape)}, expected {self.dtype}{want}"
             )
-        self.ring.copy_(ring)
+        self.history.scatter(ring.numpy())
         self.slot_steps = list(state["slot_steps"])
         self.t = int(state["t"])

@@ -10,6 +10,7 @@ import numpy as np
 from state import CorruptVersionError, Manifest, Store, Version
 
 from .accountant import epsilon as compute_epsilon
+from .catalog import placement
 from .layout import array_kind
 from .mechanism import BandMF
 
@@ -97,7 +98,7 @@ def write_plots(store: Store, manifests: dict[int, Manifest], out_dir: str) -> l
     for i, m in enumerate(vs):
         nrec = m.records["noise"]
         item = np.dtype(nrec["dtype"]).itemsize
-        for shard in nrec["shards"]:
+        for shard in placement(nrec):
             row = tiers.setdefault(shard["tier"], [0] * len(vs))
             row[i] += (int(shard["stop"]) - int(shard["start"])) * (b - 1) * item
     fig, ax = plt.subplots(figsize=(6, 3.5))

@@ -19,6 +19,8 @@ from .errors import UnsupportedModelError
 from .mechanism import BandMF, MechanismKind
 from .noise import CorrelatedNoise
 from .sampler import CyclicPoissonSampler
+from .tiers.build import build_history
+from .tiers.config import TierConfig
 
 __all__ = ["DPTrainer", "StepResult", "build_mechanism"]
 
@@ -69,6 +71,8 @@ class DPTrainer:
         config: the privacy configuration.
         noise_key: 32 secret bytes for the keyed noise.
         mechanism: the mechanism (built from `config` by default).
+        tiers: where the noise history may live (`cocoon_ckpt.tiers`); one host tier by
+            default. The noise is the same bit for bit on any tiers.
     """
 
     def __init__(
@@ -80,6 +84,7 @@ class DPTrainer:
         config: DPConfig,
         noise_key: bytes,
         mechanism: BandMF | None = None,
+        tiers: TierConfig | None = None,
     ) -> None:
         _check_per_sample(model)
         if len(data) < 2:
@@ -109,12 +114,15 @@ class DPTrainer:
             raise UnsupportedModelError(
                 f"trainable parameters must be float32/float64, got {dtype}"
             )
+        noise_dtype = "float64" if torch.float64 in dtype else "float32"
+        history = build_history(self.mechanism.bands - 1, self.dim, noise_dtype, tiers)
         self.noise = CorrelatedNoise(
             self.mechanism,
             self.dim,
             noise_key,
             config.noise_multiplier * config.max_grad_norm,
-            "float64" if torch.float64 in dtype else "float32",
+            noise_dtype,
+            history=history,
         )
         self.sampler = CyclicPoissonSampler(
             dataset_size=config.dataset_size,
@@ -204,6 +212,10 @@ class DPTrainer:
 
     def epsilon(self) -> float:
         return self.accountant.epsilon()
+
+    def close(self) -> None:
+        """Free the noise history's tiers (stops a far-memory worker). Idempotent."""
+        self.noise.close()
 
     # state -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,72 @@
+"""Tiers: the noise history split across device, host and far memory, each part
+computed where it lies, planned from a profile (Cocoon §4.1, §4.3).
+
+Names load on first use (PEP 562): the far-memory worker process imports
+`cocoon_ckpt.tiers._far_worker` and must not pull torch in with this package.
+"""
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .base import GemvMode, Tier, TierCapacityError, TierError, TierKind
+    from .build import build_history, free_host_bytes
+    from .config import TierConfig
+    from .device import DeviceTier, default_device
+    from .far import FarTier
+    from .history import TieredHistory
+    from .host import HostTier
+    from .planner import Plan, capacity_units, plan_units, profile_tiers
+
+_LAZY = {
+    "DeviceTier": "device",
+    "FarTier": "far",
+    "GemvMode": "base",
+    "HostTier": "host",
+    "Plan": "planner",
+    "Tier": "base",
+    "TierCapacityError": "base",
+    "TierConfig": "config",
+    "TierError": "base",
+    "TierKind": "base",
+    "TieredHistory": "history",
+    "build_history": "build",
+    "capacity_units": "planner",
+    "default_device": "device",
+    "free_host_bytes": "build",
+    "plan_units": "planner",
+    "profile_tiers": "planner",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+__all__ = [
+    "DeviceTier",
+    "FarTier",
+    "GemvMode",
+    "HostTier",
+    "Plan",
+    "Tier",
+    "TierCapacityError",
+    "TierConfig",
+    "TierError",
+    "TierKind",
+    "TieredHistory",
+    "build_history",
+    "capacity_units",
+    "default_device",
+    "free_host_bytes",
+    "plan_units",
+    "profile_tiers",
+]

@@ -1,0 +1,260 @@
+"""The far tier: emulated CXL memory with near-memory compute (Cocoon's NMP).
+
+The shard lives in a file-backed memory map (its folder configurable: tmpfs for
+memory, a disk for capacity), created owner-only because the history is secret (I6).
+The training process writes new slots into it directly, as a CPU writes CXL.mem; a
+worker process that maps the same file computes the GEMV next to the data and returns
+only the partial result, through a shared-memory file. An optional link throttle
+(bytes/s) models the slow interconnect for everything that crosses it: slot writes,
+reads, a baseline's pull of the whole shard, and the worker's mix-in / result-out.
+
+A worker that dies mid-GEMV is replaced and the GEMV recomputed (the history is in the
+file, untouched by a GEMV); past `max_respawns` replacements it is a `TierError`. The
+output buffer is filled with NaN before each request, so a result never comes from a
+request that did not finish.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import IO, Any
+
+import numpy as np
+
+from .base import Tier, TierError, TierKind
+
+__all__ = ["FarTier"]
+
+log = logging.getLogger("cocoon_ckpt.tiers.far")
+
+
+class _WorkerDied(Exception):
+    pass
+
+
+def _shared_memory_dir() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+class FarTier(Tier):
+    """History columns in a memory-mapped file, computed by a worker process near it.
+
+    Args:
+        capacity: bytes of far memory the shard may use.
+        folder: where the memory-mapped file lies (default: the system temp folder); a
+            private 0700 folder is made inside it and removed on close.
+        link_bytes_per_s: model a link of this bandwidth for data crossing it (None: no
+            throttle).
+        max_respawns: worker replacements allowed over the tier's life.
+        timeout_s: a worker silent this long on one request is taken as dead.
+    """
+
+    kind = TierKind.FAR
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        folder: str | None = None,
+        link_bytes_per_s: float | None = None,
+        max_respawns: int = 2,
+        timeout_s: float = 600.0,
+    ) -> None:
+        super().__init__(capacity)
+        if link_bytes_per_s is not None and not link_bytes_per_s > 0:
+            raise ValueError(f"FarTier link_bytes_per_s={link_bytes_per_s} must be > 0 or None")
+        self.link_bytes_per_s = link_bytes_per_s
+        self.max_respawns = max_respawns
+        self.respawns = 0
+        self.timeout_s = timeout_s
+        self.pre_delay_s = 0.0
+        """Seconds the worker waits before computing (fault tests kill it meanwhile)."""
+        self._dir = tempfile.mkdtemp(prefix="cocoon-far-", dir=folder)
+        os.chmod(self._dir, 0o700)
+        self._shm = tempfile.mkdtemp(prefix="cocoon-far-io-", dir=_shared_memory_dir())
+        os.chmod(self._shm, 0o700)
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._map: Any = None
+        self._mix: Any = None
+        self._out: Any = None
+        self._seq = 0
+
+    @property
+    def worker_pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    # -- the worker ----------------------------------------------------------------
+    def _start_worker(self) -> None:
+        self._stop_worker()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "cocoon_ckpt.tiers._far_worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            close_fds=True,
+        )
+
+    def _stop_worker(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            try:
+                if proc.stdin is not None:
+                    proc.stdin.write(b'{"op": "exit"}\n')
+                    proc.stdin.flush()
+                proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                proc.kill()
+                proc.wait()
+        for f in (proc.stdin, proc.stdout):
+            if f is not None:
+                f.close()
+
+    def _call(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            raise _WorkerDied()
+        stdin: IO[bytes] | None = proc.stdin
+        stdout: IO[bytes] | None = proc.stdout
+        if stdin is None or stdout is None:
+            raise _WorkerDied()
+        try:
+            stdin.write((json.dumps(cmd) + "\n").encode())
+            stdin.flush()
+        except OSError:
+            raise _WorkerDied() from None
+        ready, _, _ = select.select([stdout], [], [], self.timeout_s)
+        line = stdout.readline() if ready else b""
+        if not line:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            raise _WorkerDied()
+        res: dict[str, Any] = json.loads(line)
+        if not res.get("ok"):
+            raise TierError(f"far tier worker refused {cmd['op']}: {res.get('error')}")
+        return res
+
+    def _open_cmd(self) -> dict[str, Any]:
+        return {
+            "op": "open",
+            "path": os.path.join(self._dir, "history"),
+            "mix_path": os.path.join(self._shm, "mix"),
+            "out_path": os.path.join(self._shm, "out"),
+            "slots": self.slots,
+            "width": self.width,
+            "dtype": self.dtype.name,
+            "link_bytes_per_s": self.link_bytes_per_s,
+        }
+
+    def _with_worker(self, cmd: dict[str, Any], before: Any = None) -> dict[str, Any]:
+        """Send `cmd`, replacing a dead worker and resending, up to `max_respawns`."""
+        while True:
+            if before is not None:
+                before()
+            try:
+                if self._proc is None:
+                    self._start_worker()
+                    if self._map is not None and cmd["op"] != "open":
+                        self._call(self._open_cmd())
+                return self._call(cmd)
+            except _WorkerDied:
+                code = self._proc.returncode if self._proc is not None else None
+                if self.respawns >= self.max_respawns:
+                    self._stop_worker()
+                    raise TierError(
+                        f"far tier worker died (exit {code}) during {cmd['op']} and "
+                        f"{self.respawns} replacement(s) are used up; the far shard's history "
+                        f"is intact in {self._dir}, but no result was produced"
+                    ) from None
+                self.respawns += 1
+                log.warning(
+                    "far tier worker died (exit %s) during %s; starting replacement %d of %d "
+                    "and recomputing",
+                    code,
+                    cmd["op"],
+                    self.respawns,
+                    self.max_respawns,
+                )
+                self._proc = None
+
+    # -- link model in this process -------------------------------------------------
+    def _link_wait(self, start: float, nbytes: int) -> None:
+        if self.link_bytes_per_s:
+            due = start + nbytes / self.link_bytes_per_s
+            now = time.perf_counter()
+            if due > now:
+                time.sleep(due - now)
+
+    # -- Tier ----------------------------------------------------------------------
+    def _allocate(self) -> None:
+        shape = (self.slots, self.width)
+        if not self.width or not self.slots:
+            return
+        self._map = np.memmap(
+            os.path.join(self._dir, "history"), dtype=self.dtype, mode="w+", shape=shape
+        )
+        os.chmod(os.path.join(self._dir, "history"), 0o600)
+        self._mix = np.memmap(
+            os.path.join(self._shm, "mix"), dtype=self.dtype, mode="w+", shape=(self.slots,)
+        )
+        self._out = np.memmap(
+            os.path.join(self._shm, "out"), dtype=self.dtype, mode="w+", shape=(self.width,)
+        )
+        self._with_worker(self._open_cmd())
+
+    def _write_slot(self, slot: int, values: np.ndarray) -> None:
+        t0 = time.perf_counter()
+        self._map[slot] = values
+        self._link_wait(t0, values.nbytes)
+
+    def _read_slot(self, slot: int) -> np.ndarray:
+        t0 = time.perf_counter()
+        out = np.array(self._map[slot])
+        self._link_wait(t0, out.nbytes)
+        return out
+
+    def _pull(self, lo: int, hi: int) -> np.ndarray:
+        t0 = time.perf_counter()
+        out = np.array(self._map[:, lo:hi])
+        self._link_wait(t0, out.nbytes)
+        return out
+
+    def _gemv(self, mix: np.ndarray) -> np.ndarray:
+        self._seq += 1
+
+        def fill() -> None:
+            self._mix[...] = mix
+            self._out[...] = np.nan
+
+        self._with_worker(
+            {"op": "gemv", "seq": self._seq, "pre_delay_s": self.pre_delay_s}, before=fill
+        )
+        return np.array(self._out)
+
+    def _profile(self, slots: int, width: int, dtype: np.dtype[Any], reps: int) -> list[float]:
+        cmd = {
+            "op": "profile",
+            "path": os.path.join(self._dir, "profile-scratch"),
+            "slots": slots,
+            "width": width,
+            "dtype": dtype.name,
+            "reps": reps,
+            "link_bytes_per_s": self.link_bytes_per_s,
+        }
+        times: list[float] = self._with_worker(cmd)["times"]
+        return times
+
+    def _close(self) -> None:
+        self._stop_worker()
+        self._map = self._mix = self._out = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+        shutil.rmtree(self._shm, ignore_errors=True)

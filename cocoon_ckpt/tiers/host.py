@@ -1,0 +1,53 @@
+"""The host tier: a numpy shard in DRAM, GEMV in a host thread."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from ..gemv import mix_history
+from .base import Tier, TierKind
+
+__all__ = ["HostTier"]
+
+
+class HostTier(Tier):
+    """History columns in host memory (numpy), computed by a host thread."""
+
+    kind = TierKind.HOST
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.ring = np.zeros((0, 0), dtype=np.float32)
+
+    def _allocate(self) -> None:
+        self.ring = np.zeros((self.slots, self.width), dtype=self.dtype)
+
+    def _write_slot(self, slot: int, values: np.ndarray) -> None:
+        self.ring[slot] = values
+
+    def _read_slot(self, slot: int) -> np.ndarray:
+        return self.ring[slot].copy()
+
+    def _pull(self, lo: int, hi: int) -> np.ndarray:
+        return self.ring[:, lo:hi].copy()
+
+    def _gemv(self, mix: np.ndarray) -> np.ndarray:
+        return mix_history(mix, self.ring)
+
+    def _profile(self, slots: int, width: int, dtype: np.dtype[Any], reps: int) -> list[float]:
+        scratch = np.random.default_rng(0).standard_normal((slots, width)).astype(dtype)
+        mix = np.ones(slots, dtype=dtype)
+        out = np.empty(width, dtype=dtype)
+        mix_history(mix, scratch, out)  # warm
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            mix_history(mix, scratch, out)
+            times.append(time.perf_counter() - t0)
+        return times
+
+    def _close(self) -> None:
+        self.ring = np.zeros((0, 0), dtype=self.dtype)
