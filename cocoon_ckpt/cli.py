@@ -21,6 +21,7 @@ from state import (
 from .config import DPConfig, JobConfig
 from .errors import CocoonError, ConfigMismatchError, NoiseKeyError
 from .mechanism import MechanismKind
+from .tiers.config import TierConfig
 
 __all__ = ["main"]
 
@@ -121,6 +122,15 @@ def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="keep the secret noise key in this file (0600) instead of the store",
     )
     _add_storage_options(p)
+    p.add_argument(
+        "--tiers",
+        default=None,
+        metavar="JSON",
+        help="where the noise history lives, as TierConfig fields in JSON, e.g. "
+        '\'{"host_bytes": 268435456, "far_bytes": 1073741824, "far_dir": "/dev/shm", '
+        '"far_link_bytes_per_s": 5e9}\' (bytes; default: all on the host). Changing it on '
+        "resume is allowed: the noise is bit-identical on any tiers",
+    )
     p.add_argument(
         "--takeover",
         action="store_true",
@@ -347,6 +357,23 @@ def _read_config_file(path: str) -> dict[str, Any]:
     return doc
 
 
+def _tiers(args: argparse.Namespace) -> TierConfig | None:
+    if args.tiers is None:
+        return None
+    try:
+        rec = json.loads(args.tiers)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--tiers is not valid JSON ({exc}); pass a JSON object") from None
+    if not isinstance(rec, dict):
+        raise ValueError("--tiers must be a JSON object, e.g. '{\"host_bytes\": 1073741824}'")
+    try:
+        return TierConfig.from_record(rec)
+    except TypeError as exc:
+        raise ValueError(
+            f"--tiers: {exc}; fields are those of cocoon_ckpt.tiers.TierConfig"
+        ) from None
+
+
 def _train_config(args: argparse.Namespace) -> tuple[JobConfig, str]:
     given = [k for k in _TRAIN_FLAGS if getattr(args, k) is not None]
     if args.config is not None:
@@ -357,6 +384,9 @@ def _train_config(args: argparse.Namespace) -> tuple[JobConfig, str]:
         if args.checkpoint_every is not None:
             rec["checkpoint_every"] = args.checkpoint_every
         rec["async_checkpoint"] = not args.sync_checkpoints
+        tiers = _tiers(args)
+        if tiers is not None:
+            rec["tiers"] = tiers.to_record()
         try:
             config = JobConfig.from_record(rec)
         except (TypeError, KeyError) as exc:
@@ -387,6 +417,7 @@ def _train_config(args: argparse.Namespace) -> tuple[JobConfig, str]:
         checkpoint_every=10 if args.checkpoint_every is None else args.checkpoint_every,
         async_checkpoint=not args.sync_checkpoints,
         log_level=args.log_level,
+        tiers=_tiers(args),
     )
     return config, args.store or f"runs/{example or 'job'}.zarr"
 

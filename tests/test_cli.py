@@ -183,3 +183,17 @@ def test_help_explains_every_subcommand() -> None:
         sub = _run(cmd, "--help")
         assert sub.returncode == 0 and "usage: cocoon-ckpt " + cmd in sub.stdout
     assert "(default 256" in _run("audit", "--help").stdout
+
+
+def test_train_on_far_tier_and_inspect_shows_placement(tmp_path: Path) -> None:
+    store = str(tmp_path / "far.zarr")
+    tiers = json.dumps({"host_bytes": 0, "far_bytes": 1 << 28, "far_dir": str(tmp_path)})
+    res = _run(
+        "train", "--store", store, "--steps", "6", "--checkpoint-every", "3", "--bands", "3",
+        "--tiers", tiers, "--no-progress",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "on far, 2 slots" in _run("inspect", store).stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["far.zarr"]  # the far folder is gone
+    bad = _run("train", "--store", store, "--tiers", '{"hots_bytes": 1}', "--no-progress")
+    assert bad.returncode == 2 and "--tiers" in bad.stderr and "TierConfig" in bad.stderr
