@@ -1,8 +1,9 @@
 """cocoon_ckpt: BandMF correlated-noise DP training whose noise state is checkpointed
 atomically, so a job can crash anywhere and resume with exactly the same noise."""
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ._lazy import attach
 
 if TYPE_CHECKING:  # the names as static tools see them
     from .accountant import Accountant, AccountingMethod, epsilon, noise_multiplier_for
@@ -57,16 +58,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = attach(__name__, _LAZY)
 
 
 __all__ = [

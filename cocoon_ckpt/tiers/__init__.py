@@ -5,8 +5,9 @@ Names load on first use (PEP 562): the far-memory worker process imports
 `cocoon_ckpt.tiers._far_worker` and must not pull torch in with this package.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import attach
 
 if TYPE_CHECKING:
     from .base import GemvMode, Tier, TierCapacityError, TierError, TierKind
@@ -39,16 +40,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = attach(__name__, _LAZY)
 
 
 __all__ = [
