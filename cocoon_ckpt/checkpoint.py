@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import random
+import secrets
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,11 +23,20 @@ import torch
 from state import ArrayMeta, Manifest, Store, Version, hooks
 
 from .accountant import Accountant
-from .layout import ring_name
+from .embedding.csc import CoalescedCSC
+from .embedding.engine import TablePlan
+from .embedding.tables import EmbeddingNoise
+from .layout import emb_name, ring_name
 from .noise import generator_backend
 from .trainer import DPTrainer
 
-__all__ = ["Checkpointer", "Snapshot", "model_state", "restore_trainer_state"]
+__all__ = [
+    "Checkpointer",
+    "Snapshot",
+    "model_state",
+    "restore_trainer_state",
+    "stored_table_plans",
+]
 
 log = logging.getLogger("cocoon_ckpt.checkpoint")
 
@@ -42,6 +52,9 @@ class Snapshot:
     step: int
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     references: dict[str, ArrayMeta] = field(default_factory=dict)
+    shared: dict[str, np.ndarray] = field(default_factory=dict)
+    """Job-lifetime arrays new in this version (the precomputed CSC): written once
+    under shared/, referenced by every later version. Not copied: they never change."""
     records: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -82,6 +95,8 @@ def take_snapshot(
             snap.references[name] = parent.arrays[name]
         else:
             snap.arrays[name] = noise.history.read(slot)
+    if trainer.embedding is not None:
+        snap.records["embedding"] = _snapshot_tables(trainer, trainer.embedding, parent, snap)
     snap.records.update(
         {
             "trainer": {"step": trainer.step_index},
@@ -118,6 +133,126 @@ def take_snapshot(
         }
     )
     return snap
+
+
+def _snapshot_tables(
+    trainer: DPTrainer, emb: EmbeddingNoise, parent: Manifest | None, snap: Snapshot
+) -> dict[str, Any]:
+    """Each table's online ring (new slots only), and its CSC and noise order once."""
+    tables = []
+    for e in emb.engines:
+        param = e.spec.param
+        slots = []
+        if e.online is not None:
+            for slot, step in enumerate(e.online.slot_steps):
+                if step is None:
+                    continue
+                name = emb_name(param, f"ring/w-{step:08d}")
+                slots.append([slot, step, name])
+                if parent is not None and step < parent.step and name in parent.arrays:
+                    snap.references[name] = parent.arrays[name]
+                else:
+                    snap.arrays[name] = e.online.history.read(slot)
+        job_arrays = {"order": e.order}
+        if e.csc is not None:
+            job_arrays.update({f"csc/{k}": v for k, v in e.csc.arrays().items()})
+        for k, arr in job_arrays.items():
+            name = emb_name(param, k)
+            if parent is not None and name in parent.arrays:
+                snap.references[name] = parent.arrays[name]
+            else:
+                snap.shared[name] = arr
+        tables.append(
+            {
+                "param": param,
+                "rows": e.rows,
+                "dim": e.dim,
+                "plan": e.plan.to_record(),
+                "t": e.online.t if e.online is not None else trainer.step_index,
+                "online_rows": e.online_rows,
+                "slots": slots,
+                "csc": None
+                if e.csc is None
+                else {"entries": e.csc.nnz, "bytes": e.csc.nbytes, "steps": e.csc.steps},
+                "precompute_seconds": e.precompute_seconds,
+                "history_bytes": e.history_bytes(),
+            }
+        )
+    return {
+        "threat_model": emb.config.threat_model,
+        "cursor": trainer.step_index,
+        "tables": tables,
+    }
+
+
+def stored_table_plans(version: Version) -> dict[str, TablePlan] | None:
+    """The embedding plans a version recorded (a resume must keep them)."""
+    emb = version.records.get("embedding")
+    if emb is None:
+        return None
+    return {t["param"]: TablePlan.from_record(t["plan"]) for t in emb["tables"]}
+
+
+def _restore_tables(trainer: DPTrainer, version: Version) -> dict[str, Any] | None:
+    emb = version.records.get("embedding")
+    if (emb is None) != (trainer.embedding is None):
+        raise ValueError(
+            f"version {version.version} {'has' if emb else 'has no'} embedding noise state, "
+            f"this job {'has' if trainer.embedding else 'has no'} embedding tables"
+        )
+    if emb is None or trainer.embedding is None:
+        return None
+    states = []
+    for e, rec in zip(trainer.embedding.engines, emb["tables"], strict=True):
+        param = e.spec.param
+        stored_order = version.array(emb_name(param, "order"))
+        if not np.array_equal(stored_order, e.order):
+            raise ValueError(
+                f"table {param}: the stored noise order differs from the one this job's "
+                "sampler and data give: the access schedule changed"
+            )
+        if rec["csc"] is not None:
+            e.set_csc(
+                CoalescedCSC.from_arrays(
+                    {
+                        k: version.array(emb_name(param, f"csc/{k}"))
+                        for k in ("col_ptr", "rows", "values")
+                    }
+                )
+            )
+        e.precompute_seconds = float(rec.get("precompute_seconds", 0.0))
+        online = None
+        if e.online is not None:
+            ring = torch.zeros(e.online.history.slots, e.online.width, dtype=e.online.dtype)
+            slot_steps: list[int | None] = [None] * ring.shape[0]
+            for slot, step, name in rec["slots"]:
+                ring[slot] = torch.from_numpy(version.array(name).copy())
+                slot_steps[slot] = step
+            online = {
+                "kind": "CorrelatedNoise",
+                "schema_version": 1,
+                "t": rec["t"],
+                "start": 0,
+                "stop": e.online_rows * e.dim,
+                "dtype": str(e.online.dtype).removeprefix("torch."),
+                "slot_steps": slot_steps,
+                "ring": ring,
+            }
+        states.append(
+            {
+                "kind": "TableEngine",
+                "schema_version": 1,
+                "param": param,
+                "plan": rec["plan"],
+                "online": online,
+            }
+        )
+    return {
+        "kind": "EmbeddingNoise",
+        "schema_version": 1,
+        "threat_model": emb["threat_model"],
+        "tables": states,
+    }
 
 
 def model_state(version: Version) -> dict[str, torch.Tensor]:
@@ -166,6 +301,7 @@ def restore_trainer_state(trainer: DPTrainer, version: Version) -> None:
             "sampler": rec["sampler"],
             "accountant": rec["accountant"],
             "rng": {"torch": torch.from_numpy(version.array("rng/torch").copy())},
+            "embedding": _restore_tables(trainer, version),
         }
     )
     npr = rec["rng"]["numpy"]
@@ -251,6 +387,11 @@ class Checkpointer:
             txn.put_array(name, arr)
         for name, meta in snap.references.items():
             txn.reference(name, meta)
+        # A fresh folder per write: a crash before the commit leaves an unreferenced
+        # folder (never a half-written array a retry would collide with).
+        token = secrets.token_hex(4)
+        for name, arr in snap.shared.items():
+            txn.reference(name, self.store.put_shared(f"{token}/{name}", arr))
         acc = snap.records.get("accountant")
         if acc is not None and acc.get("epsilon") is None:
             acc["epsilon"] = Accountant.from_state_dict(acc).epsilon()

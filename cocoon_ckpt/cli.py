@@ -132,6 +132,29 @@ def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "resume is allowed: the noise is bit-identical on any tiers",
     )
     p.add_argument(
+        "--embedding",
+        choices=["auto", "dense", "coalesced", "lazy"],
+        default=None,
+        help="noise path of the job's embedding tables (dlrm): per-row gradients and "
+        "dense online noise, or coalesced precomputed noise with a hot/cold split, or lazy "
+        "noise at b=1; coalesced and lazy need --threat-model final_model (default: the "
+        "tables are part of the dense noise vector)",
+    )
+    p.add_argument(
+        "--threat-model",
+        choices=["intermediate_iterates", "final_model"],
+        default=None,
+        help="final_model: only the exported final model is private (intermediate "
+        "checkpoints lack cold rows' pending noise); allows coalescing",
+    )
+    p.add_argument(
+        "--hot-threshold",
+        type=int,
+        default=None,
+        help="rows read more than this many times keep online history (default: chosen "
+        "from a quick profile)",
+    )
+    p.add_argument(
         "--takeover",
         action="store_true",
         help="take the writer lease even if its holder looks alive",
@@ -377,6 +400,7 @@ def _tiers(args: argparse.Namespace) -> TierConfig | None:
 def _train_config(args: argparse.Namespace) -> tuple[JobConfig, str]:
     given = [k for k in _TRAIN_FLAGS if getattr(args, k) is not None]
     if args.config is not None:
+        given += [k for k in _EMBEDDING_FLAGS if getattr(args, k) is not None]
         if given or args.example or args.job:
             flags = ", ".join("--" + k.replace("_", "-") for k in given) or "--example/--job"
             raise ValueError(f"--config sets the whole job; drop {flags} or drop --config")
@@ -418,16 +442,42 @@ def _train_config(args: argparse.Namespace) -> tuple[JobConfig, str]:
         async_checkpoint=not args.sync_checkpoints,
         log_level=args.log_level,
         tiers=_tiers(args),
+        embedding=_embedding(args),
     )
     return config, args.store or f"runs/{example or 'job'}.zarr"
+
+
+_EMBEDDING_FLAGS = ("embedding", "threat_model", "hot_threshold")
+
+
+def _embedding(args: argparse.Namespace) -> Any:
+    if all(getattr(args, k) is None for k in _EMBEDDING_FLAGS):
+        return None
+    from .embedding.config import EmbeddingConfig
+
+    return EmbeddingConfig(
+        mode=args.embedding or "auto",
+        threat_model=args.threat_model or "intermediate_iterates",
+        hot_threshold=args.hot_threshold,
+    )
 
 
 def _train(args: argparse.Namespace) -> int:
     config, store = _train_config(args)
     bar: Any = None
     on_step = None
+    on_precompute = None
     if not args.no_progress:
         from tqdm import tqdm
+
+        pre: list[Any] = []
+
+        def on_precompute(done: int, total: int) -> None:
+            if not pre:
+                pre.append(tqdm(total=total, desc="precompute", unit="row", file=sys.stderr))
+            pre[0].update(done - pre[0].n)
+            if done >= total:
+                pre[0].close()
 
         bar = tqdm(total=config.dp.steps, desc="train", unit="step", file=sys.stderr)
 
@@ -456,6 +506,7 @@ def _train(args: argparse.Namespace) -> int:
             takeover=args.takeover,
             allow_fallback=args.allow_fallback,
             on_step=on_step,
+            on_precompute=on_precompute,
         )
     finally:
         if bar is not None:

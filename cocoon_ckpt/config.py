@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .embedding.config import EmbeddingConfig
 from .errors import ConfigMismatchError
 from .mechanism import MechanismKind
 from .tiers.config import TierConfig
@@ -16,7 +17,9 @@ from .tiers.config import TierConfig
 __all__ = ["HARMLESS_FIELDS", "DPConfig", "JobConfig", "config_differences", "fingerprint"]
 
 #: Fields a resume may change: they affect neither the noise nor the parameters.
-HARMLESS_FIELDS = frozenset({"checkpoint_every", "keep_last", "async_checkpoint", "log_level"})
+HARMLESS_FIELDS = frozenset(
+    {"checkpoint_every", "keep_last", "async_checkpoint", "log_level", "tile_rows"}
+)
 #: Whole sections a resume may change: where the history lives never changes the noise.
 HARMLESS_SECTIONS = frozenset({"tiers"})
 
@@ -113,6 +116,9 @@ class JobConfig:
     tiers: TierConfig | None = None
     """Where the noise history lives (device, host, far); None: all on the host
     (harmless: the noise is bit-identical on any tiers)."""
+    embedding: EmbeddingConfig | None = None
+    """Noise for sparse embedding tables (`cocoon_ckpt.embedding`); None: every
+    parameter, tables included, gets the dense mechanism over one flat vector."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("sgd", "adam"):
@@ -133,6 +139,7 @@ class JobConfig:
         d["dp"] = self.dp.to_record()
         d["options"] = dict(self.options)
         d["tiers"] = self.tiers.to_record() if self.tiers is not None else None
+        d["embedding"] = self.embedding.to_record() if self.embedding is not None else None
         return d
 
     @classmethod
@@ -141,6 +148,8 @@ class JobConfig:
         d["dp"] = DPConfig.from_record(d["dp"])
         if d.get("tiers") is not None:
             d["tiers"] = TierConfig.from_record(d["tiers"])
+        if d.get("embedding") is not None:
+            d["embedding"] = EmbeddingConfig.from_record(d["embedding"])
         return cls(**d)
 
 
@@ -154,11 +163,17 @@ def _flat(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+#: Sections added after the first release: absent from older records, the same as None.
+_OPTIONAL_SECTIONS = frozenset({"embedding"})
+
+
 def _relevant(record: dict[str, Any]) -> dict[str, Any]:
     return {
         k: v
         for k, v in _flat(record).items()
-        if k.split(".")[-1] not in HARMLESS_FIELDS and k.split(".")[0] not in HARMLESS_SECTIONS
+        if k.split(".")[-1] not in HARMLESS_FIELDS
+        and k.split(".")[0] not in HARMLESS_SECTIONS
+        and not (k in _OPTIONAL_SECTIONS and v is None)
     }
 
 

@@ -6,6 +6,7 @@ one, and the result is bit-identical to an uninterrupted run (I3).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -20,8 +21,9 @@ import torch
 from state import Store, StoreError, Version
 
 from . import config as cfgmod
-from .checkpoint import Checkpointer, model_state, restore_trainer_state
+from .checkpoint import Checkpointer, model_state, restore_trainer_state, stored_table_plans
 from .config import JobConfig
+from .embedding.engine import TablePlan
 from .errors import ConfigMismatchError, NoiseKeyError
 from .jobs import JobParts, resolve
 from .layout import KEY_SECRET, THREAT_MODEL_DEFAULT
@@ -33,6 +35,7 @@ __all__ = [
     "RunResult",
     "build_trainer",
     "export_model",
+    "threat_model",
     "key_id",
     "read_config",
     "run_job",
@@ -88,9 +91,16 @@ class RunResult:
 
 
 def build_trainer(
-    config: JobConfig, key: bytes, builder: Callable[..., JobParts] | None = None
+    config: JobConfig,
+    key: bytes,
+    builder: Callable[..., JobParts] | None = None,
+    table_plans: dict[str, TablePlan] | None = None,
 ) -> DPTrainer:
+    """The trainer of a job (`table_plans`: the embedding plans a resume must keep)."""
     parts = (builder or resolve(config.job))(config)
+    emb = config.embedding
+    if emb is not None and not emb.tables:
+        emb = dataclasses.replace(emb, tables=tuple(parts.tables))
     return DPTrainer(
         parts.model,
         parts.optimizer,
@@ -99,7 +109,14 @@ def build_trainer(
         config.dp,
         key,
         tiers=config.tiers,
+        embedding=emb,
+        table_plans=table_plans,
     )
+
+
+def threat_model(config: JobConfig) -> str:
+    """The threat model a job's versions carry (`layout.THREAT_MODELS`)."""
+    return config.embedding.threat_model if config.embedding else THREAT_MODEL_DEFAULT
 
 
 def model_shapes(trainer: DPTrainer) -> dict[str, list[int]]:
@@ -117,6 +134,7 @@ def run_job(
     allow_fallback: bool = False,
     allow_generator_change: bool = False,
     on_step: Callable[[StepResult, DPTrainer], None] | None = None,
+    on_precompute: Callable[[int, int], None] | None = None,
     stop_after: int | None = None,
     fs: Any = None,
 ) -> RunResult:
@@ -132,6 +150,8 @@ def run_job(
         allow_fallback: resume from an older version if the newest is damaged.
         allow_generator_change: resume although the generator backend differs (I3 lost).
         on_step: called after each step (progress bars).
+        on_precompute: called as (rows done, rows in all) while coalesced embedding noise
+            is precomputed (before step 0; a resume loads it from the store instead).
         stop_after: stop once this many steps are done (tests, benchmarks).
         fs: an fsspec filesystem to use for the store (fault injection).
 
@@ -151,7 +171,8 @@ def run_job(
     try:
         latest = store.latest(allow_fallback=allow_fallback)
         key = _load_key(store, key_file, create=latest is None)
-        trainer = build_trainer(config, key, builder)
+        plans = stored_table_plans(latest) if latest is not None else None
+        trainer = build_trainer(config, key, builder, plans)
         shapes = model_shapes(trainer)
         record = config.to_record()
         fp = cfgmod.fingerprint(record, shapes)
@@ -171,6 +192,18 @@ def run_job(
             log.info(
                 "resuming %s from version %d (step %d)", store.url, latest.version, latest.step
             )
+        emb = trainer.embedding
+        if emb is not None and not emb.prepared:
+            total = sum(e.rows - e.plan.hot for e in emb.engines if e.needs_precompute)
+            done = [0]
+
+            def progress(rows: int) -> None:
+                done[0] += rows
+                if on_precompute is not None:
+                    on_precompute(done[0], total)
+
+            secs = emb.prepare(progress)
+            log.info("precomputed coalesced embedding noise in %.2f s", secs)
         ckpt = Checkpointer(store, async_write=config.async_checkpoint, keep_last=config.keep_last)
         ckpt.set_parent(latest.manifest if latest else None)
         extra = {
@@ -179,7 +212,7 @@ def run_job(
             "model_shapes": shapes,
             "key_id": key_id(key),
             "key_location": "key_file" if key_file else f"store:secret/{KEY_SECRET}",
-            "threat_model": THREAT_MODEL_DEFAULT,
+            "threat_model": threat_model(config),
         }
         limit = config.dp.steps if stop_after is None else min(stop_after, config.dp.steps)
         while trainer.step_index < limit:
@@ -263,6 +296,13 @@ def export_model(
         raise StoreError(
             f"{store_url}: the job is at step {latest.step} of {rec['config']['dp']['steps']}; "
             "export needs a complete job (finish it, or pass allow_incomplete=True)"
+        )
+    tm = rec.get("threat_model", THREAT_MODEL_DEFAULT)
+    if tm == "final_model" and not rec.get("complete"):
+        raise StoreError(
+            f"{store_url}: threat model final_model and the job is at step {latest.step}: "
+            "cold embedding rows of an unfinished job lack their pending noise, so this "
+            "model must not be released. Finish the job, then export"
         )
     torch.save(model_state(latest), out)
     dp = rec["config"]["dp"]

@@ -10,6 +10,7 @@ __all__ = [
     "THREAT_MODELS",
     "THREAT_MODEL_DEFAULT",
     "array_kind",
+    "emb_name",
     "ring_name",
 ]
 
@@ -31,11 +32,20 @@ THREAT_MODELS = {
 
 
 def array_kind(name: str) -> str:
-    """The kind of a version's array, from its name: model, optimizer, ring, rng, csc."""
+    """The kind of a version's array, from its name: model, optimizer, ring, rng, csc,
+    emb_ring (a table's online history), emb_order."""
     top = name.split("/", 1)[0]
+    if top == "emb":
+        part = name.split("/")[2] if name.count("/") >= 2 else ""
+        return {"csc": "csc", "ring": "emb_ring"}.get(part, "emb_order")
     return "optimizer" if top == "optim" else top
 
 
 def ring_name(shard: int, step: int) -> str:
     """The array holding w of `step` for ring shard `shard`."""
     return f"ring/shard-{shard:04d}/w-{step:08d}"
+
+
+def emb_name(param: str, part: str) -> str:
+    """An embedding table's array: `emb/<param>/ring/w-<step>`, `.../csc/values`, ..."""
+    return f"emb/{param}/{part}"

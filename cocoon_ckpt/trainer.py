@@ -15,6 +15,10 @@ from state import hooks
 from ._state_dict import check_state
 from .accountant import Accountant
 from .config import DPConfig
+from .embedding.config import EmbeddingConfig
+from .embedding.engine import TablePlan
+from .embedding.sparse import gather_rows, sparse_per_sample, sum_rows
+from .embedding.tables import EmbeddingNoise
 from .errors import UnsupportedModelError
 from .mechanism import BandMF, MechanismKind
 from .noise import CorrelatedNoise
@@ -73,6 +77,9 @@ class DPTrainer:
         mechanism: the mechanism (built from `config` by default).
         tiers: where the noise history may live (`cocoon_ckpt.tiers`); one host tier by
             default. The noise is the same bit for bit on any tiers.
+        embedding: noise for sparse embedding tables (`cocoon_ckpt.embedding`): their
+            gradients are taken per row, and their noise follows the configured path.
+        table_plans: the embedding plans a resumed job recorded (None: choose now).
     """
 
     def __init__(
@@ -85,6 +92,8 @@ class DPTrainer:
         noise_key: bytes,
         mechanism: BandMF | None = None,
         tiers: TierConfig | None = None,
+        embedding: EmbeddingConfig | None = None,
+        table_plans: dict[str, TablePlan] | None = None,
     ) -> None:
         _check_per_sample(model)
         if len(data) < 2:
@@ -104,7 +113,15 @@ class DPTrainer:
         self.data = list(data)
         self.config = config
         self.mechanism = mechanism or build_mechanism(config)
-        self.param_names = [k for k, p in model.named_parameters() if p.requires_grad]
+        tables = {s.param for s in embedding.tables} if embedding is not None else set()
+        if embedding is not None and not tables:
+            raise ValueError(
+                "embedding noise is configured but no table is named: list them in "
+                "EmbeddingConfig.tables, or declare them in the job (JobParts.tables)"
+            )
+        self.param_names = [
+            k for k, p in model.named_parameters() if p.requires_grad and k not in tables
+        ]
         params = dict(model.named_parameters())
         self._shapes = [tuple(params[k].shape) for k in self.param_names]
         self._sizes = [params[k].numel() for k in self.param_names]
@@ -139,6 +156,22 @@ class DPTrainer:
         )
         self.step_index = 0
         self.last_noise: torch.Tensor | None = None
+        self.embedding: EmbeddingNoise | None = None
+        self._table_grads: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if embedding is not None:
+            self.embedding = EmbeddingNoise(
+                embedding,
+                model,
+                optimizer,
+                self.data,
+                self.sampler.schedule(config.steps),
+                self.mechanism,
+                noise_key,
+                config.noise_multiplier * config.max_grad_norm,
+                config.batch_size,
+                table_plans,
+            )
+            self._sparse = sparse_per_sample(model, loss_fn, embedding.tables, len(self.data))
 
         def loss_one(
             p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], *xy: torch.Tensor
@@ -160,15 +193,28 @@ class DPTrainer:
     def clipped_sum(self, idx: torch.Tensor) -> tuple[torch.Tensor, float]:
         """Sum of per-sample gradients clipped to max_grad_norm, flattened to (dim,)."""
         params = {k: p.detach() for k, p in self.model.named_parameters() if k in self.param_names}
+        tables = {s.param for s in self.embedding.config.tables} if self.embedding else set()
         frozen = {
-            k: p.detach() for k, p in self.model.named_parameters() if k not in self.param_names
+            k: p.detach()
+            for k, p in self.model.named_parameters()
+            if k not in self.param_names and k not in tables
         }
         buffers = {**dict(self.model.named_buffers()), **frozen}
         batch = [d[idx] for d in self.data]
+        if self.embedding is not None:
+            specs = self.embedding.config.tables
+            ids, rows = gather_rows(self.model, specs, batch)
+            self._table_grads = [
+                (torch.zeros(0, dtype=torch.int64), torch.zeros(0, p.shape[1], dtype=p.dtype))
+                for p in self.embedding.params
+            ]
         if len(idx) == 0:
             return torch.zeros(self.dim, dtype=self.noise.dtype), float("nan")
         try:
-            grads, losses = self._per_sample(params, buffers, *batch)
+            if self.embedding is not None:
+                (grads, row_grads), losses = self._sparse(params, buffers, rows, *batch)
+            else:
+                grads, losses = self._per_sample(params, buffers, *batch)
         except RuntimeError as exc:
             raise UnsupportedModelError(
                 f"torch.func could not take per-sample gradients of {type(self.model).__name__}: "
@@ -178,9 +224,14 @@ class DPTrainer:
         # Per parameter, never one (batch, dim) copy: norms from per-parameter sums of
         # squares, then one GEMV (scale @ grads) per parameter.
         per_param = [grads[k].reshape(len(idx), -1) for k in self.param_names]
-        norms = torch.stack([g.square().sum(dim=1) for g in per_param]).sum(dim=0).sqrt()
+        sq = [g.square().sum(dim=1) for g in per_param]
+        if self.embedding is not None:
+            sq += [g.reshape(len(idx), -1).square().sum(dim=1) for g in row_grads]
+        norms = torch.stack(sq).sum(dim=0).sqrt()
         scale = (self.config.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
         summed = torch.cat([scale.to(g.dtype) @ g for g in per_param])
+        if self.embedding is not None:
+            self._table_grads = [sum_rows(i, g, scale) for i, g in zip(ids, row_grads, strict=True)]
         # per-sample losses come with the gradients: no second forward pass for the report
         return summed, float(losses.mean())
 
@@ -192,6 +243,8 @@ class DPTrainer:
         if self.noise.t != t:
             raise RuntimeError(f"noise is at step {self.noise.t}, trainer at {t}: state is torn")
         idx = torch.from_numpy(self.sampler.batch(t))
+        if self.embedding is not None:
+            self.embedding.before_step(t)  # pending noise of the rows this step reads
         summed, loss = self.clipped_sum(idx)
         w = self.noise.step()
         self.last_noise = w  # w_t of the step just taken (for traces; not copied)
@@ -199,8 +252,14 @@ class DPTrainer:
         # Gradients are views into `noisy`, a fresh buffer per step (as DDP's buckets are).
         for p, g in zip(self._params(), torch.split(noisy, self._sizes), strict=True):
             p.grad = g.view(p.shape).to(p.dtype)
+        if self.embedding is not None:
+            self.embedding.set_grads(self._table_grads)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.embedding is not None:
+            self.embedding.sgd_updates(t, self._table_grads)
+            if t + 1 == self.config.steps:
+                self.embedding.finish()  # tails: the final model carries all its noise
         self.accountant.step()
         self.step_index = t + 1
         hooks.point("trainer.after_update", step=t)
@@ -216,6 +275,8 @@ class DPTrainer:
     def close(self) -> None:
         """Free the noise history's tiers (stops a far-memory worker). Idempotent."""
         self.noise.close()
+        if self.embedding is not None:
+            self.embedding.close()
 
     # state -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -230,6 +291,7 @@ class DPTrainer:
             "sampler": self.sampler.state_dict(),
             "accountant": self.accountant.state_dict(),
             "rng": {"torch": torch.get_rng_state()},
+            "embedding": self.embedding.state_dict() if self.embedding is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -240,5 +302,9 @@ class DPTrainer:
         if state["sampler"] != self.sampler.state_dict():
             raise ValueError(f"sampler state {state['sampler']} does not match this job's")
         self.accountant.load_state_dict(state["accountant"])
+        if (state.get("embedding") is None) != (self.embedding is None):
+            raise ValueError("the stored state and this trainer disagree on embedding tables")
+        if self.embedding is not None:
+            self.embedding.load_state_dict(state["embedding"])
         torch.set_rng_state(state["rng"]["torch"])
         self.step_index = int(state["step"])

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from ..embedding.config import TableSpec
 
 __all__ = ["JobParts", "resolve"]
 
@@ -21,6 +23,9 @@ class JobParts:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     data: Sequence[torch.Tensor]
     """Tensors indexed by example along dim 0; the last is the target."""
+    tables: Sequence[TableSpec] = field(default_factory=tuple)
+    """The model's embedding tables and where their ids are; used when the job config
+    asks for embedding noise without naming tables."""
 
 
 Builder = Callable[..., JobParts]

@@ -1,23 +1,52 @@
 """examples/dlrm: a small DLRM (dense MLP + embedding tables) on synthetic Zipf features.
 
-The correlated noise covers the tables densely here; the embedding coalescer is
-`cocoon_ckpt.embedding`'s business.
+Options: `tables` (a list of row counts, or "criteo-kaggle": the 26 tables of the
+Criteo Kaggle set as published with the DLRM reference, times `scale`), `dim`, `dense`,
+`zipf` (the exponent), `dtype`. The job declares its tables (`JobParts.tables`), so a
+config with `embedding` set gives them per-row gradients and embedding noise.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from ..embedding.config import TableSpec
 from . import JobParts, make_optimizer
 
 if TYPE_CHECKING:
     from ..config import JobConfig
 
-DEFAULTS = {"dense": 13, "tables": [500, 300, 200, 100], "dim": 8, "zipf": 1.1}
+DEFAULTS: dict[str, Any] = {
+    "dense": 13,
+    "tables": [500, 300, 200, 100],
+    "dim": 8,
+    "zipf": 1.1,
+    "scale": 1.0,
+    "dtype": "float32",
+}
+
+#: Rows of the 26 categorical features of Criteo Kaggle (the DLRM reference's counts).
+CRITEO_KAGGLE_ROWS = (
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+)  # fmt: skip
+
+
+def table_rows(tables: str | list[int], scale: float = 1.0) -> list[int]:
+    """Row counts: a list as given, or "criteo-kaggle"; each times `scale` (>= 1 row)."""
+    if isinstance(tables, str):
+        if tables != "criteo-kaggle":
+            raise ValueError(f"tables={tables!r}: give a list of row counts or 'criteo-kaggle'")
+        base = list(CRITEO_KAGGLE_ROWS)
+    else:
+        base = [int(r) for r in tables]
+    if not scale > 0:
+        raise ValueError(f"scale={scale}: must be > 0")
+    return [max(1, round(r * scale)) for r in base]
 
 
 def zipf_ids(rows: int, n: int, exponent: float, rng: np.random.Generator) -> np.ndarray:
@@ -67,12 +96,14 @@ def make_data(
 
 def build(config: JobConfig) -> JobParts:
     opts = {**DEFAULTS, **config.options}
+    rows = table_rows(opts["tables"], float(opts["scale"]))
+    dtype = {"float32": torch.float32, "float64": torch.float64}[opts["dtype"]]
     torch.manual_seed(config.dp.seed)
-    model = DLRM(opts["dense"], list(opts["tables"]), opts["dim"])
+    model = DLRM(opts["dense"], rows, opts["dim"]).to(dtype)
     x, ids, y = make_data(
         config.dp.dataset_size,
         opts["dense"],
-        list(opts["tables"]),
+        rows,
         opts["zipf"],
         config.dp.seed + 1,
     )
@@ -81,5 +112,8 @@ def build(config: JobConfig) -> JobParts:
         model=model,
         optimizer=opt,
         loss_fn=nn.functional.binary_cross_entropy_with_logits,
-        data=(x, ids, y),
+        data=(x.to(dtype), ids, y.to(dtype)),
+        tables=[
+            TableSpec(param=f"tables.{i}.weight", data_index=1, column=i) for i in range(len(rows))
+        ],
     )

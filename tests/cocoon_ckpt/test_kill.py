@@ -21,9 +21,16 @@ pytestmark = pytest.mark.slow
 
 
 def _cmd(
-    store: Path | str, key: Path, example: str, bands: int, opts: dict[str, Any] | None = None
+    store: Path | str,
+    key: Path,
+    example: str,
+    bands: int,
+    opts: dict[str, Any] | None = None,
+    embedding: str | None = None,
 ) -> list[str]:
     extra = ["--storage-options", json.dumps(opts)] if opts else []
+    if embedding is not None:
+        extra += ["--embedding", embedding, "--threat-model", "final_model"]
     return [
         *(sys.executable, "-m", "cocoon_ckpt", "train", "--example", example),
         *("--store", str(store), "--key-file", str(key), "--steps", "30"),
@@ -44,30 +51,41 @@ def _export(
     return torch.load(out)  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("example", ["mlp", "dlrm"])
-@pytest.mark.parametrize("bands", [1, 8])
+@pytest.mark.parametrize(
+    ("example", "bands", "embedding"),
+    [
+        ("mlp", 1, None),
+        ("mlp", 8, None),
+        # the precomputed CSC, the hot rows' rings and the cursor resume together
+        ("dlrm", 8, "coalesced"),
+        # lazy b=1 noise is keyed by (row, gap): a resume redraws the same values
+        ("dlrm", 1, "lazy"),
+    ],
+)
 def test_sigkill_anywhere_then_resume_matches_uninterrupted(
-    tmp_path: Path, example: str, bands: int
+    tmp_path: Path, example: str, bands: int, embedding: str | None
 ) -> None:
     key = tmp_path / "noise.key"
     gold_store = tmp_path / "gold.zarr"
-    subprocess.run(_cmd(gold_store, key, example, bands), check=True, capture_output=True)
+
+    def cmd(store: Path) -> list[str]:
+        return _cmd(store, key, example, bands, embedding=embedding)
+
+    subprocess.run(cmd(gold_store), check=True, capture_output=True)
     gold = _export(gold_store, tmp_path / "gold.pt")
 
     store = tmp_path / "run.zarr"
-    rng = random.Random(f"{example}-{bands}")
+    rng = random.Random(f"{example}-{bands}-{embedding}")
     env = dict(os.environ)
     kills = 0
     # First a kill inside a checkpoint write (arrays durable, manifest not yet written).
     env_crash = {**env, "COCOON_CRASH_AT": "checkpoint.after_arrays:step=12"}
-    proc = subprocess.run(_cmd(store, key, example, bands), env=env_crash, capture_output=True)
+    proc = subprocess.run(cmd(store), env=env_crash, capture_output=True)
     assert proc.returncode == -signal.SIGKILL
     latest = Store.open(str(store), create=False).latest()
     assert latest is not None and latest.step == 8  # the half-written version 12 is invisible
     for attempt in range(6):
-        p = subprocess.Popen(
-            _cmd(store, key, example, bands), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-        )
+        p = subprocess.Popen(cmd(store), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             # four kills at random moments (start-up, steps, checkpoint writes), then finish
             p.wait(timeout=rng.uniform(2.0, 6.0) if attempt < 4 else 300)

@@ -1,0 +1,235 @@
+"""One table's noise over a run: dense online, coalesced (hot online + CSC), or lazy.
+
+Every path draws from the same keyed source (`table_noise`), so a coalesced table ends
+where the dense mechanism would have put it (I5), up to rounding.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._state_dict import check_state
+from ..mechanism import BandMF
+from ..noise import CorrelatedNoise
+from .config import TableMode, TableSpec
+from .csc import CoalescedCSC
+from .lazy import LazyNoise
+from .precompute import precompute_csc, table_key, table_noise
+from .schedule import AccessSchedule
+
+__all__ = ["TableEngine", "TablePlan"]
+
+
+@dataclass(frozen=True, slots=True)
+class TablePlan:
+    """The path a table takes, fixed for the whole job (recorded in every manifest)."""
+
+    mode: TableMode
+    hot: int
+    """H, rows with online history (the first H rows of the noise order)."""
+    threshold: int | None
+    """Rows read more than this many times are hot (None: not coalesced)."""
+    profile: dict[str, Any]
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode.value,
+            "hot": self.hot,
+            "threshold": self.threshold,
+            "profile": self.profile,
+        }
+
+    @classmethod
+    def from_record(cls, d: dict[str, Any]) -> TablePlan:
+        return cls(TableMode(d["mode"]), int(d["hot"]), d["threshold"], dict(d["profile"]))
+
+
+class TableEngine:
+    """The noise of one embedding table.
+
+    Args:
+        spec: which parameter and which ids.
+        rows, dim: the table's shape (R, dim).
+        mechanism: the BandMF strategy.
+        key: the job's 32-byte noise key (the table's key is derived from it).
+        std: sigma * clip.
+        dtype: the table's dtype.
+        schedule: the table's reads over the run.
+        factors: (n,) float64, lr_t / B.
+        plan: the path (see `TablePlan`).
+        tile_rows: precompute tile size (None: default).
+    """
+
+    def __init__(
+        self,
+        spec: TableSpec,
+        rows: int,
+        dim: int,
+        mechanism: BandMF,
+        key: bytes,
+        std: float,
+        dtype: torch.dtype,
+        schedule: AccessSchedule,
+        factors: np.ndarray,
+        plan: TablePlan,
+        tile_rows: int | None = None,
+    ) -> None:
+        if plan.mode is TableMode.AUTO:
+            raise ValueError("a TablePlan's mode must be resolved (dense, coalesced or lazy)")
+        if plan.mode is TableMode.LAZY and mechanism.bands != 1:
+            raise ValueError(
+                f"table {spec.param}: mode='lazy' needs bands=1 (at b={mechanism.bands} the "
+                "per-step noise is correlated and one Gaussian per gap is wrong); use "
+                "mode='coalesced'"
+            )
+        self.spec = spec
+        self.rows, self.dim = rows, dim
+        self.mechanism = mechanism
+        self.schedule = schedule
+        self.factors = factors
+        self.plan = plan
+        self.dtype = dtype
+        self.tile_rows = tile_rows
+        self.order = schedule.noise_order()
+        self.noise = table_noise(key, spec.param, rows, dim, std, dtype)
+        sub = table_key(key, spec.param)
+        width = {TableMode.DENSE: rows, TableMode.COALESCED: plan.hot, TableMode.LAZY: 0}
+        self.online_rows = width[plan.mode]
+        self.online: CorrelatedNoise | None = None
+        if self.online_rows:
+            self.online = CorrelatedNoise(
+                mechanism,
+                rows * dim,
+                sub,
+                std,
+                dtype,
+                stop=self.online_rows * dim,
+            )
+        self._online_index = torch.from_numpy(self.order[: self.online_rows])
+        self.lazy = LazyNoise(sub, dim, std, factors) if plan.mode is TableMode.LAZY else None
+        self.csc: CoalescedCSC | None = None
+        self.precompute_seconds = 0.0
+        self.entries_applied = 0
+
+    # the precompute --------------------------------------------------------------
+    @property
+    def needs_precompute(self) -> bool:
+        return self.plan.mode is TableMode.COALESCED and self.csc is None
+
+    def precompute(self, progress: Any = None) -> CoalescedCSC:
+        """Build the CSC of the cold rows (slow: the whole run's noise for them)."""
+        t0 = time.perf_counter()
+        self.csc = precompute_csc(
+            self.schedule,
+            self.order,
+            self.plan.hot,
+            self.dim,
+            self.mechanism,
+            self.noise,
+            self.factors,
+            tile_rows=self.tile_rows,
+            progress=progress,
+        )
+        self.precompute_seconds = time.perf_counter() - t0
+        return self.csc
+
+    def set_csc(self, csc: CoalescedCSC) -> None:
+        """Use a CSC loaded from the store (it was checksummed there)."""
+        if csc.steps != self.schedule.steps or (csc.values.shape[1:] != (self.dim,)):
+            raise ValueError(
+                f"table {self.spec.param}: the stored CSC has {csc.steps} steps x "
+                f"{csc.values.shape[1:]} but this job needs {self.schedule.steps} x ({self.dim},)"
+            )
+        self.csc = csc
+
+    # per step --------------------------------------------------------------------
+    def before_read(self, t: int, weight: torch.Tensor) -> None:
+        """Apply the pending noise of the rows step t reads (coalesced, lazy)."""
+        if self.plan.mode is TableMode.COALESCED:
+            if self.csc is None:
+                raise RuntimeError(f"table {self.spec.param}: precompute() has not run")
+            rows, vals = self.csc.column(t)
+            if rows.size:
+                weight.index_add_(0, torch.from_numpy(rows), torch.from_numpy(vals))
+            self.entries_applied += int(rows.size)
+        elif self.lazy is not None:
+            lo, hi = int(self.schedule.step_ptr[t]), int(self.schedule.step_ptr[t + 1])
+            if hi > lo:
+                rows = self.schedule.step_rows[lo:hi]
+                upd = self.lazy.updates(
+                    rows, self.schedule.step_seq[lo:hi], self.schedule.step_prev[lo:hi], t
+                )
+                weight.index_add_(0, torch.from_numpy(rows), torch.from_numpy(upd).to(self.dtype))
+                self.entries_applied += hi - lo
+
+    def online_noise(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, w rows) of this step's online noise, (H,) and (H, dim), or None."""
+        if self.online is None:
+            return None
+        w = self.online.step()
+        return self._online_index, w.view(self.online_rows, self.dim)
+
+    def dense_grad(self, rows: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+        """The dense path's full (R, dim) gradient sum: clipped rows plus this step's w."""
+        out = torch.zeros(self.rows, self.dim, dtype=self.dtype)
+        online = self.online_noise()
+        if online is not None:
+            out[online[0]] = online[1]
+        out.index_add_(0, rows, vals.to(self.dtype))
+        return out
+
+    def sgd_update(
+        self, weight: torch.Tensor, rows: torch.Tensor, vals: torch.Tensor, lr: float, batch: int
+    ) -> None:
+        """Coalesced / lazy SGD step: the read rows' clipped gradient and the hot rows'
+        online noise; every other row's noise waits in its entry."""
+        scale = -lr / batch
+        if rows.numel():
+            weight.index_add_(0, rows, vals.to(self.dtype), alpha=scale)
+        online = self.online_noise()
+        if online is not None:
+            weight.index_add_(0, online[0], online[1], alpha=scale)
+
+    def finish(self, weight: torch.Tensor) -> None:
+        """Apply every cold row's tail: the final model then carries all its noise."""
+        n = self.schedule.steps
+        if self.plan.mode is TableMode.COALESCED:
+            self.before_read(n, weight)
+        elif self.lazy is not None:
+            seq, last = self.schedule.tails()
+            rows = np.arange(self.rows, dtype=np.int64)
+            upd = self.lazy.updates(rows, seq, last, n)
+            weight.index_add_(0, torch.from_numpy(rows), torch.from_numpy(upd).to(self.dtype))
+
+    def history_bytes(self) -> int:
+        return self.online.history_bytes() if self.online is not None else 0
+
+    def close(self) -> None:
+        if self.online is not None:
+            self.online.close()
+
+    # state -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "TableEngine",
+            "schema_version": 1,
+            "param": self.spec.param,
+            "plan": self.plan.to_record(),
+            "online": self.online.state_dict() if self.online is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_state(state, "TableEngine", 1)
+        plan = TablePlan.from_record(state["plan"])
+        if (plan.mode, plan.hot) != (self.plan.mode, self.plan.hot):
+            raise ValueError(
+                f"table {self.spec.param}: stored plan {plan.mode.value} with {plan.hot} hot "
+                f"rows, this engine has {self.plan.mode.value} with {self.plan.hot}"
+            )
+        if self.online is not None:
+            self.online.load_state_dict(state["online"])

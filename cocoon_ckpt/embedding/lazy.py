@@ -1,0 +1,94 @@
+"""Lazy DP-SGD noise (b = 1): a row's missed steps drawn as one Gaussian when it is read.
+
+At b = 1 the noise of different steps is independent, so the sum of a row's per-step
+updates over its k unread steps, -sum_s lr_s z_s / B, is one Gaussian with variance
+sum_s (lr_s / B)^2 std^2 per coordinate (LazyDP). It is drawn from Philox4x32-10, a
+counter-based generator, at counter (row, segment, block): a pure function of the key,
+the row and which of the row's gaps it is, so a resume redraws the same values. This
+equals per-step noise in distribution, not in value. At b > 1 the per-step noise is
+correlated and the shortcut is wrong: that is what the precompute is for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+__all__ = ["LazyNoise", "philox_normal"]
+
+_M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+_W0, _W1 = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)
+_MASK, _S32 = np.uint64(0xFFFFFFFF), np.uint64(32)
+
+
+def _philox4x32(
+    c0: np.ndarray, c1: np.ndarray, c2: np.ndarray, c3: np.ndarray, k0: int, k1: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Philox4x32-10 (Salmon et al., SC'11) over arrays of 32-bit counter words."""
+    key0, key1 = np.uint64(k0), np.uint64(k1)
+    for _ in range(10):
+        p0, p1 = _M0 * c0, _M1 * c2
+        c0, c1, c2, c3 = (p1 >> _S32) ^ c1 ^ key0, p1 & _MASK, (p0 >> _S32) ^ c3 ^ key1, p0 & _MASK
+        key0, key1 = (key0 + _W0) & _MASK, (key1 + _W1) & _MASK
+    return c0, c1, c2, c3
+
+
+def philox_normal(
+    key: tuple[int, int], rows: np.ndarray, segments: np.ndarray, dim: int
+) -> np.ndarray:
+    """(len(rows), dim) float64 standard normals at counters (row, segment, j // 4).
+
+    Box-Muller on pairs of 32-bit uniforms in (0, 1); four normals per counter.
+    """
+    rows = np.asarray(rows, dtype=np.uint64)
+    segments = np.asarray(segments, dtype=np.uint64)
+    per = -(-dim // 4)
+    r = np.repeat(rows, per)
+    s = np.repeat(segments, per)
+    j = np.tile(np.arange(per, dtype=np.uint64), rows.size)
+    x = _philox4x32(r & _MASK, r >> _S32, s & _MASK, (s >> _S32) ^ (j << np.uint64(16)), *key)
+    u = [(w.astype(np.float64) + 0.5) * (1.0 / 4294967296.0) for w in x]
+    out = np.empty((r.size, 4))
+    for a in (0, 2):
+        rad = np.sqrt(-2.0 * np.log(u[a]))
+        ang = (2.0 * np.pi) * u[a + 1]
+        out[:, a] = rad * np.cos(ang)
+        out[:, a + 1] = rad * np.sin(ang)
+    return out.reshape(rows.size, per * 4)[:, :dim]
+
+
+class LazyNoise:
+    """The lazy b = 1 updates of one table.
+
+    Args:
+        key: the table's 32-byte key (`table_noise`'s derivation).
+        dim: the embedding width.
+        std: sigma * clip (c_0 = 1 at b = 1).
+        factors: (n,) float64, lr_s / B of every step.
+    """
+
+    def __init__(self, key: bytes, dim: int, std: float, factors: np.ndarray) -> None:
+        d = hashlib.blake2b(key, digest_size=8, person=b"cocoon-lazy").digest()
+        self._key = (int.from_bytes(d[:4], "little"), int.from_bytes(d[4:], "little"))
+        self.dim = dim
+        self.std = float(std)
+        self._f2 = np.concatenate([[0.0], np.cumsum(np.asarray(factors, np.float64) ** 2)])
+
+    def __repr__(self) -> str:
+        return f"LazyNoise(dim={self.dim}, std={self.std}, key=<secret>)"
+
+    def updates(
+        self, rows: np.ndarray, segments: np.ndarray, start: np.ndarray, stop: int | np.ndarray
+    ) -> np.ndarray:
+        """(k, dim) float64: each row's update for its gap [start, stop), segment-keyed.
+
+        Args:
+            rows: table rows.
+            segments: each row's gap index (0 = before its first read).
+            start: each gap's first step.
+            stop: each gap's end (the read step, or the horizon for tails).
+        """
+        var = self._f2[np.asarray(stop)] - self._f2[np.asarray(start)]
+        scale = -self.std * np.sqrt(np.maximum(var, 0.0))
+        return philox_normal(self._key, rows, segments, self.dim) * scale[:, None]

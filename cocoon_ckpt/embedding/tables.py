@@ -1,0 +1,226 @@
+"""All embedding tables of a job: schedules, plans, engines, and their state."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from .._state_dict import check_state
+from ..mechanism import BandMF
+from .config import EmbeddingConfig, TableMode
+from .engine import TableEngine, TablePlan
+from .profile import choose_threshold, measure_unit_costs
+from .schedule import AccessSchedule, table_schedule
+from .sparse import check_tables
+
+__all__ = ["EmbeddingNoise"]
+
+
+def _check_sgd(optimizer: torch.optim.Optimizer, param: str, mode: TableMode) -> None:
+    why = None
+    if type(optimizer) is not torch.optim.SGD:
+        why = f"the optimizer is {type(optimizer).__name__}"
+    else:
+        for g in optimizer.param_groups:
+            for k in ("momentum", "weight_decay"):
+                if g.get(k, 0):
+                    why = f"the SGD optimizer has {k}={g[k]}"
+            if g.get("maximize"):
+                why = "the SGD optimizer maximizes"
+    if why:
+        raise ValueError(
+            f"embedding table {param!r} uses mode={mode.value!r}, which is exact only for "
+            f"plain SGD (a row's pending noise is applied late), but {why}. Use "
+            "optimizer='sgd' without momentum or weight decay, or mode='dense'"
+        )
+
+
+class EmbeddingNoise:
+    """The noise of every embedding table of a job.
+
+    Args:
+        config: which tables and which path.
+        model: the model holding the tables.
+        optimizer: its optimizer (checked: coalesced and lazy tables need plain SGD).
+        data: the job's data tensors (ids in the columns the specs name).
+        batches: batch(0), ..., batch(n-1) of the seeded sampler.
+        mechanism: the BandMF strategy.
+        key: the job's noise key.
+        std: sigma * clip.
+        batch_size: B (the noise and gradient are divided by it).
+        plans: per table parameter, the plan a resumed job recorded (None: choose now).
+    """
+
+    def __init__(
+        self,
+        config: EmbeddingConfig,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        data: Sequence[torch.Tensor],
+        batches: Sequence[np.ndarray],
+        mechanism: BandMF,
+        key: bytes,
+        std: float,
+        batch_size: int,
+        plans: dict[str, TablePlan] | None = None,
+    ) -> None:
+        check_tables(model, config.tables, data)
+        self.config = config
+        self.optimizer = optimizer
+        self.batch_size = batch_size
+        self.steps = len(batches)
+        params = dict(model.named_parameters())
+        self.params = [params[s.param] for s in config.tables]
+        self._groups = [self._group_of(p) for p in self.params]
+        self.engines: list[TableEngine] = []
+        for spec, p, group in zip(config.tables, self.params, self._groups, strict=True):
+            lrs = np.asarray(
+                config.lr_schedule
+                if config.lr_schedule is not None
+                else [float(group["lr"])] * self.steps,
+                dtype=np.float64,
+            )
+            if lrs.shape != (self.steps,):
+                raise ValueError(
+                    f"EmbeddingConfig.lr_schedule has {lrs.size} rates; the job has "
+                    f"{self.steps} steps"
+                )
+            rows, dim = p.shape
+            sched = table_schedule(
+                data[spec.data_index][:, spec.column].numpy(), batches, int(rows)
+            )
+            plan = (plans or {}).get(spec.param) or self._choose(sched, mechanism, int(dim), p)
+            if plan.mode in (TableMode.COALESCED, TableMode.LAZY):
+                _check_sgd(optimizer, spec.param, plan.mode)
+            self.engines.append(
+                TableEngine(
+                    spec,
+                    int(rows),
+                    int(dim),
+                    mechanism,
+                    key,
+                    std,
+                    p.dtype,
+                    sched,
+                    lrs / batch_size,
+                    plan,
+                    config.tile_rows,
+                )
+            )
+
+    def _group_of(self, p: torch.Tensor) -> dict[str, Any]:
+        for g in self.optimizer.param_groups:
+            if any(q is p for q in g["params"]):
+                return g
+        raise ValueError("an embedding table is not among the optimizer's parameters")
+
+    def _choose(
+        self, sched: AccessSchedule, mechanism: BandMF, dim: int, p: torch.Tensor
+    ) -> TablePlan:
+        cfg = self.config
+        mode = cfg.mode
+        if not cfg.coalescing_allowed or mode is TableMode.DENSE:
+            return TablePlan(TableMode.DENSE, sched.rows, None, {})
+        if mode is TableMode.LAZY or (mode is TableMode.AUTO and mechanism.bands == 1):
+            return TablePlan(TableMode.LAZY, 0, None, {})
+        counts = sched.counts
+        if cfg.hot_threshold is not None:
+            h: int | None = cfg.hot_threshold
+            rec: dict[str, Any] = {"threshold_from": "user"}
+        else:
+            costs = measure_unit_costs(mechanism, dim, p.dtype)
+            h, rec = choose_threshold(counts, sched.steps, dim, costs)
+            rec["threshold_from"] = "profile"
+            if h is None and mode is TableMode.AUTO:
+                return TablePlan(TableMode.DENSE, sched.rows, None, rec)
+            if h is None:
+                h = int(rec["best_threshold"])
+        hot = int(np.count_nonzero(counts > h))
+        return TablePlan(TableMode.COALESCED, hot, h, rec)
+
+    # the run ---------------------------------------------------------------------
+    def prepare(self, progress: Callable[[int], None] | None = None) -> float:
+        """Precompute every coalesced table that has no CSC yet; returns seconds."""
+        total = 0.0
+        for e in self.engines:
+            if e.needs_precompute:
+                e.precompute(progress)
+                total += e.precompute_seconds
+        return total
+
+    @property
+    def prepared(self) -> bool:
+        return not any(e.needs_precompute for e in self.engines)
+
+    def before_step(self, t: int) -> None:
+        """Apply the pending noise of every row step t reads."""
+        if not self.prepared:
+            self.prepare()
+        with torch.no_grad():
+            for e, p in zip(self.engines, self.params, strict=True):
+                e.before_read(t, p.data)
+
+    def set_grads(self, grads: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Dense tables: .grad = (clipped rows + w_t) / B, stepped by the optimizer."""
+        for e, p, (rows, vals) in zip(self.engines, self.params, grads, strict=True):
+            if e.plan.mode is TableMode.DENSE:
+                p.grad = e.dense_grad(rows, vals).div_(self.batch_size)
+            else:
+                p.grad = None
+
+    def sgd_updates(self, t: int, grads: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Coalesced / lazy tables: the sparse SGD step at the precomputed rate."""
+        with torch.no_grad():
+            for e, p, g, (rows, vals) in zip(
+                self.engines, self.params, self._groups, grads, strict=True
+            ):
+                if e.plan.mode is TableMode.DENSE:
+                    continue
+                lr = float(g["lr"])
+                want = float(e.factors[t] * self.batch_size)
+                if abs(lr - want) > 1e-12 * max(abs(want), 1.0):
+                    raise ValueError(
+                        f"step {t}: table {e.spec.param!r} is at learning rate {lr}, but its "
+                        f"noise entries were precomputed for {want}; give the schedule as "
+                        "EmbeddingConfig.lr_schedule"
+                    )
+                e.sgd_update(p.data, rows, vals, lr, self.batch_size)
+
+    def finish(self) -> None:
+        """After the last step: every cold row's tail."""
+        with torch.no_grad():
+            for e, p in zip(self.engines, self.params, strict=True):
+                e.finish(p.data)
+
+    def history_bytes(self) -> int:
+        return sum(e.history_bytes() for e in self.engines)
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.close()
+
+    def plans(self) -> dict[str, TablePlan]:
+        return {e.spec.param: e.plan for e in self.engines}
+
+    # state -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "EmbeddingNoise",
+            "schema_version": 1,
+            "threat_model": self.config.threat_model,
+            "tables": [e.state_dict() for e in self.engines],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_state(state, "EmbeddingNoise", 1)
+        if [t["param"] for t in state["tables"]] != [e.spec.param for e in self.engines]:
+            raise ValueError(
+                f"stored embedding tables {[t['param'] for t in state['tables']]} differ from "
+                f"this job's {[e.spec.param for e in self.engines]}"
+            )
+        for e, st in zip(self.engines, state["tables"], strict=True):
+            e.load_state_dict(st)
