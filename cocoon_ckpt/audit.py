@@ -386,6 +386,117 @@ def _check_noise(
     }
 
 
+def _check_embedding(
+    store: Store, newest: Manifest, key: bytes, rows_per_table: int, seed: int, report: AuditReport
+) -> None:
+    """Coalesced tables: the stored noise order and CSC structure against the schedule
+    rebuilt from the job (sampler + data), and the entries of random cold rows against
+    a precompute from the key (tiling-independent, so bit for bit)."""
+    from .config import JobConfig
+    from .embedding.csc import CoalescedCSC
+    from .embedding.precompute import precompute_csc, table_noise
+    from .embedding.schedule import table_schedule
+    from .jobs import resolve
+    from .layout import emb_name
+    from .sampler import CyclicPoissonSampler
+
+    emb = newest.records["embedding"]
+    config = JobConfig.from_record(newest.records["config"])
+    parts = resolve(config.job)(config)
+    specs = {s.param: s for s in (config.embedding.tables if config.embedding else ())}
+    specs = specs or {s.param: s for s in parts.tables}
+    dp = config.dp
+    sampler = CyclicPoissonSampler(
+        dataset_size=dp.dataset_size, batch_size=dp.batch_size, bands=dp.bands, seed=dp.seed
+    )
+    batches = sampler.schedule(dp.steps)
+    mechanism = BandMF.from_state_dict(newest.records["mechanism"])
+    std = dp.noise_multiplier * dp.max_grad_norm
+    ver = Version(store, newest)
+    rng = np.random.default_rng(seed)
+    checked = identical = 0
+    for t in emb["tables"]:
+        param, plan = t["param"], t["plan"]
+        spec = specs[param]
+        sched = table_schedule(
+            parts.data[spec.data_index][:, spec.column].numpy(), batches, int(t["rows"])
+        )
+        order = sched.noise_order()
+        if not np.array_equal(ver.array(emb_name(param, "order")), order):
+            report.add(
+                "embedding",
+                f"table {param}: the stored noise order differs from the one the job's "
+                "sampler and data give",
+                newest.version,
+            )
+            continue
+        if plan["mode"] != "coalesced" or t.get("csc") is None:
+            continue
+        csc = CoalescedCSC.from_arrays(
+            {k: ver.array(emb_name(param, f"csc/{k}")) for k in ("col_ptr", "rows", "values")}
+        )
+        hot = int(plan["hot"])
+        hot_rows = set(order[:hot].tolist())
+        for step in range(sched.steps):
+            rows, _ = csc.column(step)
+            want = [r for r in sched.rows_at(step).tolist() if r not in hot_rows]
+            if rows.tolist() != want:
+                report.add(
+                    "embedding",
+                    f"table {param}: CSC column {step} holds rows {rows.tolist()[:8]}..., the "
+                    f"schedule's cold reads are {want[:8]}...",
+                    newest.version,
+                )
+                break
+        cold = np.arange(hot, sched.rows)
+        if cold.size == 0:
+            continue
+        pick = np.sort(rng.choice(cold, size=min(rows_per_table, cold.size), replace=False))
+        dim = int(t["dim"])
+        dtype = str(csc.values.dtype)
+        again = precompute_csc(
+            sched,
+            order,
+            hot,
+            dim,
+            mechanism,
+            table_noise(key, param, sched.rows, dim, std, dtype),
+            np.asarray(
+                config.embedding.lr_schedule
+                if config.embedding and config.embedding.lr_schedule
+                else [config.lr] * dp.steps
+            )
+            / dp.batch_size,
+            tiles=[np.array([p]) for p in pick],
+        )
+        # both CSCs list entries by (column, row): the picked rows' entries line up
+        mask = np.isin(csc.rows, order[pick])
+        cols = np.repeat(np.arange(csc.steps + 1), np.diff(csc.col_ptr))[mask]
+        exp_cols = np.repeat(np.arange(again.steps + 1), np.diff(again.col_ptr))
+        same = 0
+        if cols.size == exp_cols.size:
+            ok = (cols == exp_cols) & (csc.rows[mask] == again.rows)
+            ok &= np.all(csc.values[mask] == again.values, axis=1)
+            same = int(ok.sum())
+        checked += int(exp_cols.size)
+        identical += same
+        if same != exp_cols.size:
+            report.add(
+                "embedding",
+                f"table {param}: of {exp_cols.size} entries of {len(pick)} random cold rows "
+                f"recomputed from the key, {exp_cols.size - same} differ from the stored CSC: "
+                "the coalesced noise was altered or came from another key",
+                newest.version,
+            )
+    report.checks["embedding"] = {
+        "tables": len(emb["tables"]),
+        "threat_model": emb["threat_model"],
+        "entries_recomputed": checked,
+        "bit_identical": identical,
+        "seed": seed,
+    }
+
+
 def _check_permissions(store: Store, report: AuditReport) -> None:
     """Who besides the owner can read what: a path is exposed to group (others) when
     it has the read bit for them and every folder from the store root down to it has
@@ -475,6 +586,13 @@ def audit_store(
         _check_noise(store, manifests, key, coordinates, seed, report)
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         report.add("noise", f"noise records cannot be read ({type(exc).__name__}: {exc})")
+    if rec.get("embedding") is not None:
+        try:
+            _check_embedding(store, newest, key, 4, seed, report)
+        except (KeyError, TypeError, ValueError, IndexError, CorruptVersionError) as exc:
+            report.add(
+                "embedding", f"embedding records cannot be checked ({type(exc).__name__}: {exc})"
+            )
     _check_permissions(store, report)
     tm = rec.get("threat_model", THREAT_MODEL_DEFAULT)
     report.info.update(

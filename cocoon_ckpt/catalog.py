@@ -60,6 +60,35 @@ def _version_summary(m: Manifest) -> dict[str, Any]:
         "placement": placement(noise),
         "plan": noise.get("plan"),
         "history_bytes": noise.get("history_bytes"),
+        "embedding": _embedding_summary(rec.get("embedding")),
+    }
+
+
+def _embedding_summary(emb: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Per version: how many tables take each noise path, hot rows, CSC size."""
+    if emb is None:
+        return None
+    modes: dict[str, int] = {}
+    hot = entries = csc_bytes = 0
+    pre = 0.0
+    for t in emb["tables"]:
+        mode = t["plan"]["mode"]
+        modes[mode] = modes.get(mode, 0) + 1
+        if mode == "coalesced":
+            hot += int(t["plan"]["hot"])
+        if t.get("csc"):
+            entries += int(t["csc"]["entries"])
+            csc_bytes += int(t["csc"]["bytes"])
+        pre += float(t.get("precompute_seconds", 0.0))
+    return {
+        "threat_model": emb["threat_model"],
+        "cursor": emb["cursor"],
+        "tables": len(emb["tables"]),
+        "modes": dict(sorted(modes.items())),
+        "hot_rows": hot,
+        "csc_entries": entries,
+        "csc_bytes": csc_bytes,
+        "precompute_seconds": pre,
     }
 
 

@@ -581,6 +581,19 @@ def _inspect(args: argparse.Namespace) -> int:
         )
         for s in v["placement"]:
             print(f"{'':>16}noise [{s['start']}, {s['stop']}) on {s['tier']}, {s['slots']} slots")
+        emb = v.get("embedding")
+        if emb:
+            paths = ", ".join(f"{n} {m}" for m, n in emb["modes"].items())
+            csc = (
+                f"; CSC {emb['csc_entries']:,} entries, {_size(emb['csc_bytes'])} (shared, "
+                f"precomputed in {emb['precompute_seconds']:.1f} s)"
+                if emb["csc_entries"]
+                else ""
+            )
+            print(
+                f"{'':>16}embedding: {emb['tables']} tables ({paths}), "
+                f"{emb['hot_rows']:,} hot rows{csc}; cursor at step {emb['cursor']}"
+            )
     for d in out["damaged_manifests"]:
         print(f"DAMAGED version {d['version']}: {d['error']}")
     holder = out["lease_holder"]

@@ -80,6 +80,7 @@ class DPTrainer:
         embedding: noise for sparse embedding tables (`cocoon_ckpt.embedding`): their
             gradients are taken per row, and their noise follows the configured path.
         table_plans: the embedding plans a resumed job recorded (None: choose now).
+        table_tiers: where each embedding table's online history lives (None: the host).
     """
 
     def __init__(
@@ -94,6 +95,7 @@ class DPTrainer:
         tiers: TierConfig | None = None,
         embedding: EmbeddingConfig | None = None,
         table_plans: dict[str, TablePlan] | None = None,
+        table_tiers: TierConfig | None = None,
     ) -> None:
         _check_per_sample(model)
         if len(data) < 2:
@@ -170,6 +172,7 @@ class DPTrainer:
                 config.noise_multiplier * config.max_grad_norm,
                 config.batch_size,
                 table_plans,
+                table_tiers,
             )
             self._sparse = sparse_per_sample(model, loss_fn, embedding.tables, len(self.data))
 

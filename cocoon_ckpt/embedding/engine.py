@@ -16,6 +16,8 @@ import torch
 from .._state_dict import check_state
 from ..mechanism import BandMF
 from ..noise import CorrelatedNoise
+from ..tiers.build import build_history
+from ..tiers.config import TierConfig
 from .config import TableMode, TableSpec
 from .csc import CoalescedCSC
 from .lazy import LazyNoise
@@ -23,6 +25,8 @@ from .precompute import precompute_csc, table_key, table_noise
 from .schedule import AccessSchedule
 
 __all__ = ["TableEngine", "TablePlan"]
+
+_NP: dict[torch.dtype, type[np.floating]] = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +67,7 @@ class TableEngine:
         factors: (n,) float64, lr_t / B.
         plan: the path (see `TablePlan`).
         tile_rows: precompute tile size (None: default).
+        tiers: where the online history lives (`cocoon_ckpt.tiers`; None: the host).
     """
 
     def __init__(
@@ -78,6 +83,7 @@ class TableEngine:
         factors: np.ndarray,
         plan: TablePlan,
         tile_rows: int | None = None,
+        tiers: TierConfig | None = None,
     ) -> None:
         if plan.mode is TableMode.AUTO:
             raise ValueError("a TablePlan's mode must be resolved (dense, coalesced or lazy)")
@@ -102,6 +108,8 @@ class TableEngine:
         self.online_rows = width[plan.mode]
         self.online: CorrelatedNoise | None = None
         if self.online_rows:
+            np_dtype = "float64" if dtype == torch.float64 else "float32"
+            history = build_history(mechanism.bands - 1, self.online_rows * dim, np_dtype, tiers)
             self.online = CorrelatedNoise(
                 mechanism,
                 rows * dim,
@@ -109,6 +117,7 @@ class TableEngine:
                 std,
                 dtype,
                 stop=self.online_rows * dim,
+                history=history,
             )
         self._online_index = torch.from_numpy(self.order[: self.online_rows])
         self.lazy = LazyNoise(sub, dim, std, factors) if plan.mode is TableMode.LAZY else None

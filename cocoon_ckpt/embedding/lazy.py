@@ -25,21 +25,38 @@ _MASK, _S32 = np.uint64(0xFFFFFFFF), np.uint64(32)
 def _philox4x32(
     c0: np.ndarray, c1: np.ndarray, c2: np.ndarray, c3: np.ndarray, k0: int, k1: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Philox4x32-10 (Salmon et al., SC'11) over arrays of 32-bit counter words."""
+    """Philox4x32-10 (Salmon et al., SC'11) over uint64 arrays holding 32-bit counter
+    words (updated in place: every round is six passes with no temporaries)."""
     key0, key1 = np.uint64(k0), np.uint64(k1)
+    p0, p1 = np.empty_like(c0), np.empty_like(c0)
     for _ in range(10):
-        p0, p1 = _M0 * c0, _M1 * c2
-        c0, c1, c2, c3 = (p1 >> _S32) ^ c1 ^ key0, p1 & _MASK, (p0 >> _S32) ^ c3 ^ key1, p0 & _MASK
+        np.multiply(c0, _M0, out=p0)
+        np.multiply(c2, _M1, out=p1)
+        # c0' = hi(M1 c2) ^ c1 ^ k0, c1' = lo(M1 c2), c2' = hi(M0 c0) ^ c3 ^ k1, c3' = lo(M0 c0)
+        np.right_shift(p1, _S32, out=c0)
+        np.bitwise_xor(c0, c1, out=c0)
+        np.bitwise_xor(c0, key0, out=c0)
+        np.right_shift(p0, _S32, out=c2)
+        np.bitwise_xor(c2, c3, out=c2)
+        np.bitwise_xor(c2, key1, out=c2)
+        np.bitwise_and(p1, _MASK, out=c1)
+        np.bitwise_and(p0, _MASK, out=c3)
         key0, key1 = (key0 + _W0) & _MASK, (key1 + _W1) & _MASK
     return c0, c1, c2, c3
 
 
 def philox_normal(
-    key: tuple[int, int], rows: np.ndarray, segments: np.ndarray, dim: int
+    key: tuple[int, int],
+    rows: np.ndarray,
+    segments: np.ndarray,
+    dim: int,
+    dtype: type[np.floating] = np.float64,
 ) -> np.ndarray:
-    """(len(rows), dim) float64 standard normals at counters (row, segment, j // 4).
+    """(len(rows), dim) standard normals at counters (row, segment, j // 4).
 
-    Box-Muller on pairs of 32-bit uniforms in (0, 1); four normals per counter.
+    Box-Muller on pairs of uniforms in (0, 1), four normals per counter; float64 takes
+    32-bit uniforms (tails to 6.7 sigma), float32 24-bit ones (5.9 sigma, as a float32
+    torch.randn).
     """
     rows = np.asarray(rows, dtype=np.uint64)
     segments = np.asarray(segments, dtype=np.uint64)
@@ -47,14 +64,21 @@ def philox_normal(
     r = np.repeat(rows, per)
     s = np.repeat(segments, per)
     j = np.tile(np.arange(per, dtype=np.uint64), rows.size)
-    x = _philox4x32(r & _MASK, r >> _S32, s & _MASK, (s >> _S32) ^ (j << np.uint64(16)), *key)
-    u = [(w.astype(np.float64) + 0.5) * (1.0 / 4294967296.0) for w in x]
-    out = np.empty((r.size, 4))
+    words = _philox4x32(r & _MASK, r >> _S32, s & _MASK, (s >> _S32) ^ (j << np.uint64(16)), *key)
+    if dtype == np.float32:
+        u = [
+            ((w >> np.uint64(8)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-24)
+            for w in words
+        ]
+    else:
+        u = [(w.astype(np.float64) + 0.5) * 2.0**-32 for w in words]
+    out = np.empty((r.size, 4), dtype=dtype)
+    two_pi = dtype(2.0 * np.pi)
     for a in (0, 2):
-        rad = np.sqrt(-2.0 * np.log(u[a]))
-        ang = (2.0 * np.pi) * u[a + 1]
-        out[:, a] = rad * np.cos(ang)
-        out[:, a + 1] = rad * np.sin(ang)
+        rad = np.sqrt(dtype(-2.0) * np.log(u[a]))
+        ang = two_pi * u[a + 1]
+        np.multiply(rad, np.cos(ang), out=out[:, a])
+        np.multiply(rad, np.sin(ang), out=out[:, a + 1])
     return out.reshape(rows.size, per * 4)[:, :dim]
 
 
@@ -66,13 +90,22 @@ class LazyNoise:
         dim: the embedding width.
         std: sigma * clip (c_0 = 1 at b = 1).
         factors: (n,) float64, lr_s / B of every step.
+        dtype: float32 or float64 draws (the table's dtype).
     """
 
-    def __init__(self, key: bytes, dim: int, std: float, factors: np.ndarray) -> None:
+    def __init__(
+        self,
+        key: bytes,
+        dim: int,
+        std: float,
+        factors: np.ndarray,
+        dtype: type[np.floating] = np.float64,
+    ) -> None:
         d = hashlib.blake2b(key, digest_size=8, person=b"cocoon-lazy").digest()
         self._key = (int.from_bytes(d[:4], "little"), int.from_bytes(d[4:], "little"))
         self.dim = dim
         self.std = float(std)
+        self.dtype = dtype
         self._f2 = np.concatenate([[0.0], np.cumsum(np.asarray(factors, np.float64) ** 2)])
 
     def __repr__(self) -> str:
@@ -81,7 +114,7 @@ class LazyNoise:
     def updates(
         self, rows: np.ndarray, segments: np.ndarray, start: np.ndarray, stop: int | np.ndarray
     ) -> np.ndarray:
-        """(k, dim) float64: each row's update for its gap [start, stop), segment-keyed.
+        """(k, dim) in `dtype`: each row's update for its gap [start, stop), segment-keyed.
 
         Args:
             rows: table rows.
@@ -90,5 +123,7 @@ class LazyNoise:
             stop: each gap's end (the read step, or the horizon for tails).
         """
         var = self._f2[np.asarray(stop)] - self._f2[np.asarray(start)]
-        scale = -self.std * np.sqrt(np.maximum(var, 0.0))
-        return philox_normal(self._key, rows, segments, self.dim) * scale[:, None]
+        scale = (-self.std * np.sqrt(np.maximum(var, 0.0))).astype(self.dtype)
+        out = philox_normal(self._key, rows, segments, self.dim, self.dtype)
+        out *= scale[:, None]
+        return out

@@ -11,6 +11,7 @@ from torch import nn
 
 from .._state_dict import check_state
 from ..mechanism import BandMF
+from ..tiers.config import TierConfig
 from .config import EmbeddingConfig, TableMode
 from .engine import TableEngine, TablePlan
 from .profile import choose_threshold, measure_unit_costs
@@ -53,6 +54,7 @@ class EmbeddingNoise:
         std: sigma * clip.
         batch_size: B (the noise and gradient are divided by it).
         plans: per table parameter, the plan a resumed job recorded (None: choose now).
+        tiers: where each table's online history lives (None: the host).
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class EmbeddingNoise:
         std: float,
         batch_size: int,
         plans: dict[str, TablePlan] | None = None,
+        tiers: TierConfig | None = None,
     ) -> None:
         check_tables(model, config.tables, data)
         self.config = config
@@ -109,6 +112,7 @@ class EmbeddingNoise:
                     lrs / batch_size,
                     plan,
                     config.tile_rows,
+                    tiers,
                 )
             )
 

@@ -184,3 +184,43 @@ def test_inspect_diff_gc(store: Path) -> None:
     assert audit_store(str(store), coordinates=8, seed=0).ok
     with pytest.raises(ValueError, match="--keep=1"):
         collect_garbage(str(store), keep=1)
+
+
+def test_coalesced_csc_is_recomputed_and_tampering_found(tmp_path: Path) -> None:
+    """A coalesced store: audit rebuilds the schedule from the job, recomputes random cold
+    rows' entries from the key bit for bit; a CSC altered with valid checksums is found."""
+    from cocoon_ckpt.embedding import EmbeddingConfig
+
+    root = tmp_path / "emb.zarr"
+    cfg = job_config(
+        "dlrm",
+        bands=4,
+        steps=12,
+        embedding=EmbeddingConfig(mode="coalesced", threat_model="final_model", hot_threshold=2),
+    )
+    run_job(cfg, str(root))
+    before = _tree(root)
+    clean = audit_store(str(root), coordinates=64, seed=5)
+    assert clean.ok, clean.text()
+    emb = clean.checks["embedding"]
+    assert emb["entries_recomputed"] == emb["bit_identical"] > 0
+    assert "final_model" in clean.info["threat_model"]
+    assert _tree(root) == before
+
+    m = json.loads(_manifests(root)[-1].read_text())
+    name = next(n for n in m["arrays"] if n.endswith("csc/values"))
+    path = m["arrays"][name]["path"]
+    arr = zarr.open_array(str(root / path), mode="r+")
+    tampered = (arr[...] * np.float32(1.001)).astype(arr.dtype)
+    arr[...] = tampered
+
+    def fix(doc: dict[str, Any]) -> None:
+        for meta in doc["arrays"].values():
+            if meta["path"] == path:
+                meta["checksum"] = array_checksum(tampered)
+
+    _edit_manifests(root, fix)
+    report = audit_store(str(root), coordinates=64, seed=5)
+    found = _findings(report, "embedding")
+    assert found and "differ from the stored CSC" in found[0]
+    assert not _findings(report, "checksums")
