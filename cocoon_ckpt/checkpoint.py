@@ -20,9 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from state import ArrayMeta, Manifest, Store, Version, hooks
+from state import ArrayMeta, Manifest, Store, Transaction, Version, hooks
 
 from .accountant import Accountant
+from .distributed import DistContext
 from .embedding.csc import CoalescedCSC
 from .embedding.engine import TablePlan
 from .embedding.tables import EmbeddingNoise
@@ -65,8 +66,15 @@ class Snapshot:
 def take_snapshot(
     trainer: DPTrainer, parent: Manifest | None, extra_records: dict[str, Any]
 ) -> Snapshot:
-    """Copy the trainer's state; ring slots the parent already holds are referenced."""
+    """Copy the trainer's state; ring slots the parent already holds are referenced.
+
+    In a multi-process job every rank snapshots its own ring shard; only the
+    coordinator snapshots the rest (parameters are the same on every rank)."""
     snap = Snapshot(step=trainer.step_index)
+    shard_rec = _snapshot_ring(trainer, parent, snap)
+    if trainer.dist is not None and not trainer.dist.is_coordinator:
+        snap.records["_shard"] = shard_rec
+        return snap
     for name, t in trainer.model.state_dict().items():
         snap.arrays[f"model/{name}"] = _to_numpy(t)
     opt = trainer.optimizer.state_dict()
@@ -85,16 +93,6 @@ def take_snapshot(
     snap.arrays["rng/numpy"] = np.asarray(np_state[1])
     py_state = random.getstate()
     noise = trainer.noise
-    slots = []
-    for slot, step in enumerate(noise.slot_steps):
-        if step is None:
-            continue
-        name = ring_name(0, step)
-        slots.append([slot, step, name])
-        if parent is not None and step < parent.step and name in parent.arrays:
-            snap.references[name] = parent.arrays[name]
-        else:
-            snap.arrays[name] = noise.history.read(slot)
     if trainer.embedding is not None:
         snap.records["embedding"] = _snapshot_tables(trainer, trainer.embedding, parent, snap)
     snap.records.update(
@@ -111,10 +109,11 @@ def take_snapshot(
                 "head": (noise.t % (trainer.mechanism.bands - 1))
                 if trainer.mechanism.bands > 1
                 else 0,
-                # storage: whole-width slots, whatever the placement, so a resume on
-                # other tiers re-plans and loads the same arrays
-                "shards": [{"start": noise.start, "stop": noise.stop, "slots": slots}],
-                "placement": noise.history.placement(),
+                # storage: whole-width slots per rank shard, whatever the placement,
+                # so a resume on other tiers or another world size re-plans and
+                # loads the same arrays
+                "shards": [{k: shard_rec[k] for k in ("start", "stop", "slots")}],
+                "placement": shard_rec["placement"],
                 "plan": noise.history.plan,
                 "history_bytes": noise.history_bytes(),
             },
@@ -133,6 +132,29 @@ def take_snapshot(
         }
     )
     return snap
+
+
+def _snapshot_ring(trainer: DPTrainer, parent: Manifest | None, snap: Snapshot) -> dict[str, Any]:
+    """This rank's ring slots: new ones copied, older ones referenced from the parent."""
+    noise = trainer.noise
+    rank = trainer.dist.rank if trainer.dist is not None else 0
+    slots = []
+    for slot, step in enumerate(noise.slot_steps):
+        if step is None:
+            continue
+        name = ring_name(rank, step)
+        slots.append([slot, step, name])
+        if parent is not None and step < parent.step and name in parent.arrays:
+            snap.references[name] = parent.arrays[name]
+        else:
+            snap.arrays[name] = noise.history.read(slot)
+    placement = [
+        {**p, "start": p["start"] + noise.start, "stop": p["stop"] + noise.start}
+        for p in noise.history.placement()
+    ]
+    if trainer.dist is not None:
+        placement = [{**p, "rank": rank} for p in placement]
+    return {"start": noise.start, "stop": noise.stop, "slots": slots, "placement": placement}
 
 
 def _snapshot_tables(
@@ -274,13 +296,19 @@ def restore_trainer_state(trainer: DPTrainer, version: Version) -> None:
             for key, v in st.items()
         }
     nrec = rec["noise"]
-    (shard,) = nrec["shards"]
-    hist = trainer.noise.history
-    ring = torch.zeros(hist.slots, hist.width, dtype=trainer.noise.dtype)
+    noise = trainer.noise
+    hist = noise.history
+    ring = torch.zeros(hist.slots, hist.width, dtype=noise.dtype)
     slot_steps: list[int | None] = [None] * ring.shape[0]
-    for slot, step, name in shard["slots"]:
-        ring[slot] = torch.from_numpy(version.array(name).copy())
-        slot_steps[slot] = step
+    # Any stored sharding (another world size) onto this rank's [start, stop): I1 and
+    # the fixed-order kernel make the noise the same, so only the overlaps are read.
+    for shard in nrec["shards"]:
+        lo, hi = max(shard["start"], noise.start), min(shard["stop"], noise.stop)
+        for slot, step, name in shard["slots"]:
+            slot_steps[slot] = step
+            if hi > lo:
+                part = version.array(name)[lo - shard["start"] : hi - shard["start"]]
+                ring[slot, lo - noise.start : hi - noise.start] = torch.from_numpy(part.copy())
     trainer.load_state_dict(
         {
             "kind": "DPTrainer",
@@ -292,8 +320,8 @@ def restore_trainer_state(trainer: DPTrainer, version: Version) -> None:
                 "kind": "CorrelatedNoise",
                 "schema_version": 1,
                 "t": nrec["t"],
-                "start": shard["start"],
-                "stop": shard["stop"],
+                "start": noise.start,
+                "stop": noise.stop,
                 "dtype": nrec["dtype"],
                 "slot_steps": slot_steps,
                 "ring": ring,
@@ -354,10 +382,15 @@ class Checkpointer:
         self.last = manifest
 
     def save(self, trainer: DPTrainer, extra_records: dict[str, Any]) -> None:
-        """Snapshot now; write (in the background when async) and commit."""
+        """Snapshot now; write (in the background when async) and commit.
+
+        In a multi-process job every rank calls this at the same step; the write is in
+        the foreground (its collectives must not interleave with training's)."""
         self.wait()  # at most one in flight: bounded memory, ordered versions
         snap = take_snapshot(trainer, self.last, extra_records)
-        if self.async_write:
+        if trainer.dist is not None:
+            self._write_coordinated(snap, trainer.dist)
+        elif self.async_write:
             self._inflight = self._pool.submit(self._write, snap)
         else:
             self._write(snap)
@@ -375,6 +408,44 @@ class Checkpointer:
         finally:
             self._pool.shutdown(wait=True)
 
+    def _write_coordinated(self, snap: Snapshot, dist: DistContext) -> Manifest:
+        """Every rank writes its arrays of version v (its own folder); after a barrier
+        (the gather) the coordinator writes the manifest listing them all. A rank that
+        dies before the gather leaves no manifest, so the previous version stays newest."""
+        txn = None
+        if dist.is_coordinator:
+            parent = self.last
+            txn = self.store.begin(
+                snap.step,
+                parent=parent.version if parent else None,
+                job_fingerprint=snap.records.get("fingerprint"),
+            )
+            head = (txn.version, txn.lease.generation)
+        head = dist.broadcast_object(head if txn is not None else None)
+        shard = snap.records.pop("_shard", None)
+        if txn is None:
+            writer = self.store.shard_writer(head[0], snap.step, head[1], dist.rank)
+            for name, arr in snap.arrays.items():
+                writer.put_array(name, arr)
+            mine = {**writer.finish(), **snap.references}
+            written = writer.bytes_written
+        else:
+            mine, written = {}, 0
+        gathered = dist.all_gather_object((mine, shard))
+        manifest = None
+        if txn is not None:
+            noise = snap.records["noise"]
+            for arrays, rec in gathered[1:]:
+                for name, meta in arrays.items():
+                    txn.reference(name, meta)
+                noise["shards"].append({k: rec[k] for k in ("start", "stop", "slots")})
+                noise["placement"] = noise["placement"] + rec["placement"]
+            manifest = self._commit(txn, snap)
+        manifest = dist.broadcast_object(manifest)
+        self.bytes_written += written
+        self.last = manifest
+        return manifest  # type: ignore[no-any-return]
+
     def _write(self, snap: Snapshot) -> Manifest:
         hooks.point("checkpoint.async_flush", step=snap.step)
         parent = self.last
@@ -383,6 +454,10 @@ class Checkpointer:
             parent=parent.version if parent else None,
             job_fingerprint=snap.records.get("fingerprint"),
         )
+        return self._commit(txn, snap)
+
+    def _commit(self, txn: Transaction, snap: Snapshot) -> Manifest:
+        """Write this process's arrays into `txn`, then the records, and commit."""
         for name, arr in snap.arrays.items():
             txn.put_array(name, arr)
         for name, meta in snap.references.items():

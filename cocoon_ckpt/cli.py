@@ -467,7 +467,9 @@ def _train(args: argparse.Namespace) -> int:
     bar: Any = None
     on_step = None
     on_precompute = None
-    if not args.no_progress:
+    # under torchrun every rank runs this; rank 0 alone shows progress and the result
+    follower = os.environ.get("RANK", "0") != "0"
+    if not args.no_progress and not follower:
         from tqdm import tqdm
 
         pre: list[Any] = []
@@ -519,7 +521,9 @@ def _train(args: argparse.Namespace) -> int:
         "delta": config.dp.delta,
         "version": result.version,
     }
-    if args.json:
+    if follower:
+        pass
+    elif args.json:
         print(json.dumps(out))
     else:
         resumed = (

@@ -23,6 +23,7 @@ from state import Store, StoreError, Version
 from . import config as cfgmod
 from .checkpoint import Checkpointer, model_state, restore_trainer_state, stored_table_plans
 from .config import JobConfig
+from .distributed import DistContext
 from .embedding.engine import TablePlan
 from .errors import ConfigMismatchError, NoiseKeyError
 from .jobs import JobParts, resolve
@@ -95,6 +96,7 @@ def build_trainer(
     key: bytes,
     builder: Callable[..., JobParts] | None = None,
     table_plans: dict[str, TablePlan] | None = None,
+    dist: DistContext | None = None,
 ) -> DPTrainer:
     """The trainer of a job (`table_plans`: the embedding plans a resume must keep)."""
     parts = (builder or resolve(config.job))(config)
@@ -111,6 +113,7 @@ def build_trainer(
         tiers=config.tiers,
         embedding=emb,
         table_plans=table_plans,
+        dist=dist,
     )
 
 
@@ -159,20 +162,49 @@ def run_job(
         ConfigMismatchError: the store belongs to a job with another configuration.
         LeaseHeldError: another writer is running.
         CorruptVersionError: the newest version is damaged and fallback is off.
+
+    Under torchrun (or with a process group already started) every rank runs this:
+    rank 0 holds the lease for the whole job, chooses the version to resume from and
+    writes the manifests; each rank keeps its shard of the noise history
+    (`cocoon_ckpt.distributed`).
     """
-    store = Store.open(store_url, storage_options=storage_options, fs=fs)
-    if store.versions():
-        # A resume whose key is missing is refused before the lease is taken: a
-        # refused resume leaves the store exactly as it was.
-        _load_key(store, key_file, create=False)
-    store.acquire_lease(takeover=takeover)
+    dist = DistContext.from_env()
+    if dist is not None and not dist.is_coordinator:
+        # wait for the coordinator's lease, key and choice of version
+        status, payload = dist.broadcast_object(None)
+        if status == "error":
+            raise StoreError(f"rank 0 could not start the job: {payload}")
+        store = Store.open(store_url, storage_options=storage_options, fs=fs, create=False)
+    else:
+        try:
+            store = Store.open(store_url, storage_options=storage_options, fs=fs)
+            if store.versions():
+                # A resume whose key is missing is refused before the lease is taken: a
+                # refused resume leaves the store exactly as it was.
+                _load_key(store, key_file, create=False)
+            store.acquire_lease(takeover=takeover)
+        except BaseException as exc:
+            if dist is not None:
+                dist.broadcast_object(("error", f"{type(exc).__name__}: {exc}"))
+            raise
     ckpt: Checkpointer | None = None
     trainer: DPTrainer | None = None
     try:
-        latest = store.latest(allow_fallback=allow_fallback)
-        key = _load_key(store, key_file, create=latest is None)
+        if dist is None or dist.is_coordinator:
+            try:
+                latest = store.latest(allow_fallback=allow_fallback)
+                key = _load_key(store, key_file, create=latest is None)
+            except BaseException as exc:
+                if dist is not None:
+                    dist.broadcast_object(("error", f"{type(exc).__name__}: {exc}"))
+                raise
+            if dist is not None:
+                dist.broadcast_object(("ok", latest.version if latest else None))
+        else:
+            latest = store.read(payload) if payload is not None else None
+            key = _load_key(store, key_file, create=False)
         plans = stored_table_plans(latest) if latest is not None else None
-        trainer = build_trainer(config, key, builder, plans)
+        trainer = build_trainer(config, key, builder, plans, dist)
         shapes = model_shapes(trainer)
         record = config.to_record()
         fp = cfgmod.fingerprint(record, shapes)
@@ -238,7 +270,8 @@ def run_job(
                 if trainer is not None:
                     trainer.close()  # frees the history's tiers (a far worker)
             finally:
-                store.release_lease()  # even then: this process is done writing
+                if dist is None or dist.is_coordinator:
+                    store.release_lease()  # even then: this process is done writing
 
 
 def _check_compatible(

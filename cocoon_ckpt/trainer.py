@@ -15,6 +15,7 @@ from state import hooks
 from ._state_dict import check_state
 from .accountant import Accountant
 from .config import DPConfig
+from .distributed import DistContext
 from .embedding.config import EmbeddingConfig
 from .embedding.engine import TablePlan
 from .embedding.sparse import gather_rows, sparse_per_sample, sum_rows
@@ -81,6 +82,9 @@ class DPTrainer:
             gradients are taken per row, and their noise follows the configured path.
         table_plans: the embedding plans a resumed job recorded (None: choose now).
         table_tiers: where each embedding table's online history lives (None: the host).
+        dist: this rank's place in a torch.distributed job (`cocoon_ckpt.distributed`):
+            the rank clips its part of each batch and keeps only its shard of the
+            noise history. None: one process.
     """
 
     def __init__(
@@ -96,6 +100,7 @@ class DPTrainer:
         embedding: EmbeddingConfig | None = None,
         table_plans: dict[str, TablePlan] | None = None,
         table_tiers: TierConfig | None = None,
+        dist: DistContext | None = None,
     ) -> None:
         _check_per_sample(model)
         if len(data) < 2:
@@ -134,13 +139,22 @@ class DPTrainer:
                 f"trainable parameters must be float32/float64, got {dtype}"
             )
         noise_dtype = "float64" if torch.float64 in dtype else "float32"
-        history = build_history(self.mechanism.bands - 1, self.dim, noise_dtype, tiers)
+        if dist is not None and embedding is not None:
+            raise ValueError(
+                "embedding noise with torch.distributed is not supported yet: run the "
+                "embedding job in one process, or drop EmbeddingConfig"
+            )
+        self.dist = dist
+        start, stop = dist.bounds(self.dim) if dist is not None else (0, self.dim)
+        history = build_history(self.mechanism.bands - 1, stop - start, noise_dtype, tiers)
         self.noise = CorrelatedNoise(
             self.mechanism,
             self.dim,
             noise_key,
             config.noise_multiplier * config.max_grad_norm,
             noise_dtype,
+            start=start,
+            stop=stop,
             history=history,
         )
         self.sampler = CyclicPoissonSampler(
@@ -245,11 +259,23 @@ class DPTrainer:
         t = self.step_index
         if self.noise.t != t:
             raise RuntimeError(f"noise is at step {self.noise.t}, trainer at {t}: state is torn")
-        idx = torch.from_numpy(self.sampler.batch(t))
+        batch = self.sampler.batch(t)
+        idx = torch.from_numpy(batch if self.dist is None else self.dist.my_examples(batch))
         if self.embedding is not None:
             self.embedding.before_step(t)  # pending noise of the rows this step reads
         summed, loss = self.clipped_sum(idx)
         w = self.noise.step()
+        if self.dist is not None:
+            # partial sums added in rank order; every rank's noise slice to every rank
+            summed = self.dist.sum_in_rank_order(summed)
+            w = self.dist.gather_noise(w, self.dim)
+            sums = self.dist.sum_in_rank_order(
+                torch.tensor(
+                    [0.0 if len(idx) == 0 else loss * len(idx), float(len(idx))],
+                    dtype=torch.float64,
+                )
+            )
+            loss = float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
         self.last_noise = w  # w_t of the step just taken (for traces; not copied)
         noisy = (summed + w.to(summed.dtype)) / self.config.batch_size
         # Gradients are views into `noisy`, a fresh buffer per step (as DDP's buckets are).
@@ -266,7 +292,7 @@ class DPTrainer:
         self.accountant.step()
         self.step_index = t + 1
         hooks.point("trainer.after_update", step=t)
-        return StepResult(step=t, loss=loss, batch_size=len(idx))
+        return StepResult(step=t, loss=loss, batch_size=len(batch))
 
     def _params(self) -> list[nn.Parameter]:
         params = dict(self.model.named_parameters())

@@ -20,7 +20,7 @@ from .errors import (
 from .lease import Lease
 from .manifest import FORMAT_VERSION, ArrayMeta, Manifest
 from .retry import RetryPolicy, is_transient
-from .store import Store, Transaction, Version
+from .store import ShardWriter, Store, Transaction, Version
 
 __all__ = [
     "FORMAT_VERSION",
@@ -35,6 +35,7 @@ __all__ = [
     "LeaseHeldError",
     "Manifest",
     "RetryPolicy",
+    "ShardWriter",
     "Store",
     "StoreError",
     "StoreNotFoundError",

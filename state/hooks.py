@@ -24,6 +24,7 @@ KNOWN_POINTS: dict[str, str] = {
     "checkpoint.before_array": "before one array of a version is written",
     "checkpoint.after_array": "after one array of a version is written",
     "checkpoint.after_arrays": "after every array of a version is durable",
+    "checkpoint.shard_done": "multi-process: a rank's arrays are durable, before the barrier",
     "checkpoint.before_manifest": "before the manifest (commit record) is written",
     "checkpoint.after_manifest_temp": "local disk: temp manifest durable, not yet linked",
     "checkpoint.after_manifest": "after the manifest is visible (committed)",

@@ -102,31 +102,20 @@ class Version:
         return f"Version({self.version}, step={self.step}, arrays={len(self.manifest.arrays)})"
 
 
-class Transaction:
-    """Builds version `version`; nothing is visible until `commit()` writes the manifest."""
+class _VersionWriter:
+    """Writes arrays of version `version` into one folder; write-once paths."""
 
-    def __init__(
-        self,
-        store: Store,
-        *,
-        version: int,
-        step: int,
-        parent: int | None,
-        lease: Lease,
-        job_fingerprint: str | None = None,
-    ):
+    def __init__(self, store: Store, *, version: int, step: int, folder: str) -> None:
         self.store = store
-        self.job_fingerprint = job_fingerprint
         self.version = version
         self.step = step
-        self.parent = parent
-        self.lease = lease
-        self.folder = f"versions/{version:08d}-g{lease.generation}"
+        self.folder = folder
         self._arrays: dict[str, ArrayMeta] = {}
-        self._records: dict[str, Any] = {}
         self._groups: set[str] = set()  # zarr group metadata already written
         self.bytes_written = 0
-        self.committed: Manifest | None = None
+
+    def _hook_ctx(self) -> dict[str, Any]:
+        return {"step": self.step, "version": self.version}
 
     def put_array(self, name: str, array: np.ndarray) -> ArrayMeta:
         """Write `array` as part of this version under logical name `name`.
@@ -138,7 +127,7 @@ class Transaction:
         if name in self._arrays:
             raise ValueError(f"version {self.version}: array {name!r} was already put")
         arr = np.asarray(array, order="C")
-        hooks.point("checkpoint.before_array", step=self.step, version=self.version, name=name)
+        hooks.point("checkpoint.before_array", name=name, **self._hook_ctx())
         backend = self.store.backend
 
         def write() -> tuple[str, tuple[int, ...]]:
@@ -160,8 +149,61 @@ class Transaction:
         )
         self._arrays[name] = meta
         self.bytes_written += arr.nbytes
-        hooks.point("checkpoint.after_array", step=self.step, version=self.version, name=name)
+        hooks.point("checkpoint.after_array", name=name, **self._hook_ctx())
         return meta
+
+
+class ShardWriter(_VersionWriter):
+    """One rank's part of version `version` of a multi-process job: its arrays go into
+    their own folder (`versions/<v>-g<gen>-r<rank>`), so ranks never write the same
+    file; the coordinator references them in the manifest it commits. Nothing a shard
+    writer writes is visible until then, and a folder no manifest references is
+    removed by retention."""
+
+    def __init__(self, store: Store, *, version: int, step: int, generation: int, rank: int):
+        super().__init__(
+            store,
+            version=version,
+            step=step,
+            folder=f"versions/{version:08d}-g{generation}-r{rank:04d}",
+        )
+        self.rank = rank
+
+    def _hook_ctx(self) -> dict[str, Any]:
+        return {"step": self.step, "version": self.version, "rank": self.rank}
+
+    def finish(self) -> dict[str, ArrayMeta]:
+        """Make this rank's arrays durable; returns them for the coordinator."""
+        if self._arrays:
+            self.store.backend.fsync_tree(self.folder)
+        hooks.point("checkpoint.shard_done", **self._hook_ctx())
+        return dict(self._arrays)
+
+
+class Transaction(_VersionWriter):
+    """Builds version `version`; nothing is visible until `commit()` writes the manifest."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        version: int,
+        step: int,
+        parent: int | None,
+        lease: Lease,
+        job_fingerprint: str | None = None,
+    ):
+        super().__init__(
+            store,
+            version=version,
+            step=step,
+            folder=f"versions/{version:08d}-g{lease.generation}",
+        )
+        self.job_fingerprint = job_fingerprint
+        self.parent = parent
+        self.lease = lease
+        self._records: dict[str, Any] = {}
+        self.committed: Manifest | None = None
 
     def reference(self, name: str, meta: ArrayMeta) -> None:
         """Include an array written earlier (an older version's, or shared) by path."""
@@ -458,6 +500,14 @@ class Store:
                 path=errors[-1].path,
             )
         return None
+
+    def shard_writer(self, version: int, step: int, generation: int, rank: int) -> ShardWriter:
+        """Rank `rank`'s writer of version `version`, which the coordinator (holding the
+        lease of `generation`) begins and commits. Needs no lease itself."""
+        w = ShardWriter(self, version=version, step=step, generation=generation, rank=rank)
+        if self.backend.exists(w.folder):  # an earlier failed try at this number
+            self.backend.rm(w.folder, recursive=True)
+        return w
 
     def begin(
         self, step: int, *, parent: int | None = None, job_fingerprint: str | None = None
