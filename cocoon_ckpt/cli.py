@@ -165,6 +165,12 @@ def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="resume from an older version if the newest is damaged",
     )
     p.add_argument(
+        "--overlap-noise",
+        action="store_true",
+        help="compute each step's noise in a thread while the per-sample gradients are "
+        "taken (bit-identical either way; may change on resume)",
+    )
+    p.add_argument(
         "--sync-checkpoints",
         action="store_true",
         help="write checkpoints in the foreground (default: background thread)",
@@ -408,6 +414,8 @@ def _train_config(args: argparse.Namespace) -> tuple[JobConfig, str]:
         if args.checkpoint_every is not None:
             rec["checkpoint_every"] = args.checkpoint_every
         rec["async_checkpoint"] = not args.sync_checkpoints
+        if args.overlap_noise:
+            rec["overlap_noise"] = True
         tiers = _tiers(args)
         if tiers is not None:
             rec["tiers"] = tiers.to_record()
@@ -443,6 +451,7 @@ def _train_config(args: argparse.Namespace) -> tuple[JobConfig, str]:
         log_level=args.log_level,
         tiers=_tiers(args),
         embedding=_embedding(args),
+        overlap_noise=args.overlap_noise,
     )
     return config, args.store or f"runs/{example or 'job'}.zarr"
 

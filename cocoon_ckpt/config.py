@@ -18,7 +18,7 @@ __all__ = ["HARMLESS_FIELDS", "DPConfig", "JobConfig", "config_differences", "fi
 
 #: Fields a resume may change: they affect neither the noise nor the parameters.
 HARMLESS_FIELDS = frozenset(
-    {"checkpoint_every", "keep_last", "async_checkpoint", "log_level", "tile_rows"}
+    {"checkpoint_every", "keep_last", "async_checkpoint", "log_level", "tile_rows", "overlap_noise"}
 )
 #: Whole sections a resume may change: where the history lives never changes the noise.
 HARMLESS_SECTIONS = frozenset({"tiers"})
@@ -116,6 +116,9 @@ class JobConfig:
     tiers: TierConfig | None = None
     """Where the noise history lives (device, host, far); None: all on the host
     (harmless: the noise is bit-identical on any tiers)."""
+    overlap_noise: bool = False
+    """Compute w_t in a worker thread while the per-sample gradients are taken (harmless:
+    bit-identical either way)."""
     embedding: EmbeddingConfig | None = None
     """Noise for sparse embedding tables (`cocoon_ckpt.embedding`); None: every
     parameter, tables included, gets the dense mechanism over one flat vector."""

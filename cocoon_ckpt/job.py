@@ -114,6 +114,7 @@ def build_trainer(
         embedding=emb,
         table_plans=table_plans,
         dist=dist,
+        overlap_noise=config.overlap_noise,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +86,9 @@ class DPTrainer:
         dist: this rank's place in a torch.distributed job (`cocoon_ckpt.distributed`):
             the rank clips its part of each batch and keeps only its shard of the
             noise history. None: one process.
+        overlap_noise: compute w_t in a worker thread while the per-sample gradients
+            are taken (the noise does not depend on them); the result is bit-identical
+            either way. Pays where both are large enough to release the GIL.
     """
 
     def __init__(
@@ -101,6 +105,7 @@ class DPTrainer:
         table_plans: dict[str, TablePlan] | None = None,
         table_tiers: TierConfig | None = None,
         dist: DistContext | None = None,
+        overlap_noise: bool = False,
     ) -> None:
         _check_per_sample(model)
         if len(data) < 2:
@@ -172,6 +177,11 @@ class DPTrainer:
         )
         self.step_index = 0
         self.last_noise: torch.Tensor | None = None
+        self._noise_pool = (
+            concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="noise")
+            if overlap_noise
+            else None
+        )
         self.embedding: EmbeddingNoise | None = None
         self._table_grads: list[tuple[torch.Tensor, torch.Tensor]] = []
         if embedding is not None:
@@ -263,8 +273,16 @@ class DPTrainer:
         idx = torch.from_numpy(batch if self.dist is None else self.dist.my_examples(batch))
         if self.embedding is not None:
             self.embedding.before_step(t)  # pending noise of the rows this step reads
-        summed, loss = self.clipped_sum(idx)
-        w = self.noise.step()
+        if self._noise_pool is not None:
+            # w_t is computed while the gradients are: it needs nothing from them
+            pending = self._noise_pool.submit(self.noise.step)
+            try:
+                summed, loss = self.clipped_sum(idx)
+            finally:
+                w = pending.result()  # never leave the ring half-written behind
+        else:
+            summed, loss = self.clipped_sum(idx)
+            w = self.noise.step()
         if self.dist is not None:
             # partial sums added in rank order; every rank's noise slice to every rank
             summed = self.dist.sum_in_rank_order(summed)
@@ -303,6 +321,8 @@ class DPTrainer:
 
     def close(self) -> None:
         """Free the noise history's tiers (stops a far-memory worker). Idempotent."""
+        if self._noise_pool is not None:
+            self._noise_pool.shutdown(wait=True)
         self.noise.close()
         if self.embedding is not None:
             self.embedding.close()

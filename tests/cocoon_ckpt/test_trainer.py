@@ -29,6 +29,45 @@ def test_same_seed_bit_identical_different_seed_differs(example: str) -> None:
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
+@pytest.mark.parametrize("bands", [1, 6])
+def test_noise_overlapped_with_gradients_is_bit_identical(bands: int) -> None:
+    """overlap_noise computes w_t in a thread during the per-sample gradients: the
+    parameters and the ring end the same bit for bit."""
+    import dataclasses
+
+    cfg = job_config("mlp", bands=bands, steps=10)
+    seq = build_trainer(cfg, KEY)
+    ovl = build_trainer(dataclasses.replace(cfg, overlap_noise=True), KEY)
+    assert ovl._noise_pool is not None and seq._noise_pool is None
+    for tr in (seq, ovl):
+        while not tr.done:
+            tr.train_step()
+    a, b = seq.model.state_dict(), ovl.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(seq.noise.ring, ovl.noise.ring)
+    ovl.close()
+
+
+def test_crash_in_the_noise_thread_reaches_the_caller() -> None:
+    """A fault injected in the overlapped noise step is raised by train_step."""
+    import dataclasses
+
+    from fault_injection import CrashPointHit, crash_at, disarm_all
+
+    tr = build_trainer(
+        dataclasses.replace(job_config("mlp", bands=4, steps=6), overlap_noise=True), KEY
+    )
+    crash_at("noise.after_gemv", step=2)
+    try:
+        tr.train_step()
+        tr.train_step()
+        with pytest.raises(CrashPointHit, match="noise.after_gemv"):
+            tr.train_step()
+    finally:
+        disarm_all()
+        tr.close()
+
+
 def test_clipping_bounds_each_example() -> None:
     tr = build_trainer(job_config("mlp", bands=1, steps=5), KEY)
     idx = torch.arange(40)
