@@ -24,11 +24,14 @@ from state import ArrayMeta, Manifest, Store, Transaction, Version, hooks
 
 from .accountant import Accountant
 from .distributed import DistContext
-from .embedding.csc import CoalescedCSC
-from .embedding.engine import TablePlan
-from .embedding.tables import EmbeddingNoise
-from .layout import emb_name, ring_name
 from .noise import generator_backend
+from .noise_arrays import (
+    load_ring,
+    restore_tables,
+    snapshot_ring,
+    snapshot_tables,
+    stored_table_plans,
+)
 from .trainer import DPTrainer
 
 __all__ = [
@@ -71,7 +74,7 @@ def take_snapshot(
     In a multi-process job every rank snapshots its own ring shard; only the
     coordinator snapshots the rest (parameters are the same on every rank)."""
     snap = Snapshot(step=trainer.step_index)
-    shard_rec = _snapshot_ring(trainer, parent, snap)
+    shard_rec = snapshot_ring(trainer, parent, snap)
     if trainer.dist is not None and not trainer.dist.is_coordinator:
         snap.records["_shard"] = shard_rec
         return snap
@@ -94,7 +97,7 @@ def take_snapshot(
     py_state = random.getstate()
     noise = trainer.noise
     if trainer.embedding is not None:
-        snap.records["embedding"] = _snapshot_tables(trainer, trainer.embedding, parent, snap)
+        snap.records["embedding"] = snapshot_tables(trainer, trainer.embedding, parent, snap)
     snap.records.update(
         {
             "trainer": {"step": trainer.step_index},
@@ -134,149 +137,6 @@ def take_snapshot(
     return snap
 
 
-def _snapshot_ring(trainer: DPTrainer, parent: Manifest | None, snap: Snapshot) -> dict[str, Any]:
-    """This rank's ring slots: new ones copied, older ones referenced from the parent."""
-    noise = trainer.noise
-    rank = trainer.dist.rank if trainer.dist is not None else 0
-    slots = []
-    for slot, step in enumerate(noise.slot_steps):
-        if step is None:
-            continue
-        name = ring_name(rank, step)
-        slots.append([slot, step, name])
-        if parent is not None and step < parent.step and name in parent.arrays:
-            snap.references[name] = parent.arrays[name]
-        else:
-            snap.arrays[name] = noise.history.read(slot)
-    placement = [
-        {**p, "start": p["start"] + noise.start, "stop": p["stop"] + noise.start}
-        for p in noise.history.placement()
-    ]
-    if trainer.dist is not None:
-        placement = [{**p, "rank": rank} for p in placement]
-    return {"start": noise.start, "stop": noise.stop, "slots": slots, "placement": placement}
-
-
-def _snapshot_tables(
-    trainer: DPTrainer, emb: EmbeddingNoise, parent: Manifest | None, snap: Snapshot
-) -> dict[str, Any]:
-    """Each table's online ring (new slots only), and its CSC and noise order once."""
-    tables = []
-    for e in emb.engines:
-        param = e.spec.param
-        slots = []
-        if e.online is not None:
-            for slot, step in enumerate(e.online.slot_steps):
-                if step is None:
-                    continue
-                name = emb_name(param, f"ring/w-{step:08d}")
-                slots.append([slot, step, name])
-                if parent is not None and step < parent.step and name in parent.arrays:
-                    snap.references[name] = parent.arrays[name]
-                else:
-                    snap.arrays[name] = e.online.history.read(slot)
-        job_arrays = {"order": e.order}
-        if e.csc is not None:
-            job_arrays.update({f"csc/{k}": v for k, v in e.csc.arrays().items()})
-        for k, arr in job_arrays.items():
-            name = emb_name(param, k)
-            if parent is not None and name in parent.arrays:
-                snap.references[name] = parent.arrays[name]
-            else:
-                snap.shared[name] = arr
-        tables.append(
-            {
-                "param": param,
-                "rows": e.rows,
-                "dim": e.dim,
-                "plan": e.plan.to_record(),
-                "t": e.online.t if e.online is not None else trainer.step_index,
-                "online_rows": e.online_rows,
-                "slots": slots,
-                "csc": None
-                if e.csc is None
-                else {"entries": e.csc.nnz, "bytes": e.csc.nbytes, "steps": e.csc.steps},
-                "precompute_seconds": e.precompute_seconds,
-                "history_bytes": e.history_bytes(),
-            }
-        )
-    return {
-        "threat_model": emb.config.threat_model,
-        "cursor": trainer.step_index,
-        "tables": tables,
-    }
-
-
-def stored_table_plans(version: Version) -> dict[str, TablePlan] | None:
-    """The embedding plans a version recorded (a resume must keep them)."""
-    emb = version.records.get("embedding")
-    if emb is None:
-        return None
-    return {t["param"]: TablePlan.from_record(t["plan"]) for t in emb["tables"]}
-
-
-def _restore_tables(trainer: DPTrainer, version: Version) -> dict[str, Any] | None:
-    emb = version.records.get("embedding")
-    if (emb is None) != (trainer.embedding is None):
-        raise ValueError(
-            f"version {version.version} {'has' if emb else 'has no'} embedding noise state, "
-            f"this job {'has' if trainer.embedding else 'has no'} embedding tables"
-        )
-    if emb is None or trainer.embedding is None:
-        return None
-    states = []
-    for e, rec in zip(trainer.embedding.engines, emb["tables"], strict=True):
-        param = e.spec.param
-        stored_order = version.array(emb_name(param, "order"))
-        if not np.array_equal(stored_order, e.order):
-            raise ValueError(
-                f"table {param}: the stored noise order differs from the one this job's "
-                "sampler and data give: the access schedule changed"
-            )
-        if rec["csc"] is not None:
-            e.set_csc(
-                CoalescedCSC.from_arrays(
-                    {
-                        k: version.array(emb_name(param, f"csc/{k}"))
-                        for k in ("col_ptr", "rows", "values")
-                    }
-                )
-            )
-        e.precompute_seconds = float(rec.get("precompute_seconds", 0.0))
-        online = None
-        if e.online is not None:
-            ring = torch.zeros(e.online.history.slots, e.online.width, dtype=e.online.dtype)
-            slot_steps: list[int | None] = [None] * ring.shape[0]
-            for slot, step, name in rec["slots"]:
-                ring[slot] = torch.from_numpy(version.array(name).copy())
-                slot_steps[slot] = step
-            online = {
-                "kind": "CorrelatedNoise",
-                "schema_version": 1,
-                "t": rec["t"],
-                "start": 0,
-                "stop": e.online_rows * e.dim,
-                "dtype": str(e.online.dtype).removeprefix("torch."),
-                "slot_steps": slot_steps,
-                "ring": ring,
-            }
-        states.append(
-            {
-                "kind": "TableEngine",
-                "schema_version": 1,
-                "param": param,
-                "plan": rec["plan"],
-                "online": online,
-            }
-        )
-    return {
-        "kind": "EmbeddingNoise",
-        "schema_version": 1,
-        "threat_model": emb["threat_model"],
-        "tables": states,
-    }
-
-
 def model_state(version: Version) -> dict[str, torch.Tensor]:
     """The model state_dict held by a version (verified arrays, copied)."""
     return {
@@ -296,19 +156,8 @@ def restore_trainer_state(trainer: DPTrainer, version: Version) -> None:
             for key, v in st.items()
         }
     nrec = rec["noise"]
-    noise = trainer.noise
-    hist = noise.history
-    ring = torch.zeros(hist.slots, hist.width, dtype=noise.dtype)
-    slot_steps: list[int | None] = [None] * ring.shape[0]
-    # Any stored sharding (another world size) onto this rank's [start, stop): I1 and
-    # the fixed-order kernel make the noise the same, so only the overlaps are read.
-    for shard in nrec["shards"]:
-        lo, hi = max(shard["start"], noise.start), min(shard["stop"], noise.stop)
-        for slot, step, name in shard["slots"]:
-            slot_steps[slot] = step
-            if hi > lo:
-                part = version.array(name)[lo - shard["start"] : hi - shard["start"]]
-                ring[slot, lo - noise.start : hi - noise.start] = torch.from_numpy(part.copy())
+    # any stored sharding (another world size) onto this rank's [start, stop)
+    noise_state = {**load_ring(trainer.noise, nrec["shards"], version), "t": nrec["t"]}
     trainer.load_state_dict(
         {
             "kind": "DPTrainer",
@@ -316,20 +165,11 @@ def restore_trainer_state(trainer: DPTrainer, version: Version) -> None:
             "step": rec["trainer"]["step"],
             "model": model_state(version),
             "optimizer": opt_state,
-            "noise": {
-                "kind": "CorrelatedNoise",
-                "schema_version": 1,
-                "t": nrec["t"],
-                "start": noise.start,
-                "stop": noise.stop,
-                "dtype": nrec["dtype"],
-                "slot_steps": slot_steps,
-                "ring": ring,
-            },
+            "noise": noise_state,
             "sampler": rec["sampler"],
             "accountant": rec["accountant"],
             "rng": {"torch": torch.from_numpy(version.array("rng/torch").copy())},
-            "embedding": _restore_tables(trainer, version),
+            "embedding": restore_tables(trainer, version),
         }
     )
     npr = rec["rng"]["numpy"]
