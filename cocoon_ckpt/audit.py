@@ -394,7 +394,7 @@ def _check_embedding(
     a precompute from the key (tiling-independent, so bit for bit)."""
     from .config import JobConfig
     from .embedding.csc import CoalescedCSC
-    from .embedding.precompute import precompute_csc, table_noise
+    from .embedding.precompute import precompute_csc, table_key, table_noise
     from .embedding.schedule import table_schedule
     from .jobs import resolve
     from .layout import emb_name
@@ -414,7 +414,7 @@ def _check_embedding(
     std = dp.noise_multiplier * dp.max_grad_norm
     ver = Version(store, newest)
     rng = np.random.default_rng(seed)
-    checked = identical = 0
+    checked = identical = slots_checked = slots_identical = 0
     for t in emb["tables"]:
         param, plan = t["param"], t["plan"]
         spec = specs[param]
@@ -430,6 +430,11 @@ def _check_embedding(
                 newest.version,
             )
             continue
+        ring_checked, ring_same = _check_table_ring(
+            ver, t, table_key(key, param), mechanism, std, rng, report
+        )
+        slots_checked += ring_checked
+        slots_identical += ring_same
         if plan["mode"] != "coalesced" or t.get("csc") is None:
             continue
         csc = CoalescedCSC.from_arrays(
@@ -493,8 +498,43 @@ def _check_embedding(
         "threat_model": emb["threat_model"],
         "entries_recomputed": checked,
         "bit_identical": identical,
+        "online_slots": slots_checked,
+        "online_slots_bit_identical": slots_identical,
         "seed": seed,
     }
+
+
+def _check_table_ring(
+    ver: Version,
+    t: dict[str, Any],
+    key: bytes,
+    mechanism: BandMF,
+    std: float,
+    rng: np.random.Generator,
+    report: AuditReport,
+) -> tuple[int, int]:
+    """A table's stored online ring (hot rows, or every row of a dense table) against
+    the noise regenerated from the table's key at random coordinates of its noise space."""
+    width = int(t["online_rows"]) * int(t["dim"])
+    if width == 0 or not t["slots"]:
+        return 0, 0
+    coords = np.sort(rng.choice(width, size=min(64, width), replace=False)).astype(np.int64)
+    steps = 1 + max(int(step) for _, step, _ in t["slots"])
+    got = {step: ver.array(name) for _, step, name in t["slots"]}
+    dtype = str(next(iter(got.values())).dtype)
+    want = _regenerate(key, mechanism, int(t["rows"]) * int(t["dim"]), std, dtype, coords, steps)
+    same = 0
+    for step, arr in sorted(got.items()):
+        if np.array_equal(arr[coords], want[step]):
+            same += 1
+        else:
+            report.add(
+                "embedding",
+                f"table {t['param']}: online ring slot of step {step} differs from the noise "
+                "regenerated from the key: the stored history was altered",
+                ver.version,
+            )
+    return len(got), same
 
 
 def _check_permissions(store: Store, report: AuditReport) -> None:

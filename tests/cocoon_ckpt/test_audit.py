@@ -204,6 +204,8 @@ def test_coalesced_csc_is_recomputed_and_tampering_found(tmp_path: Path) -> None
     assert clean.ok, clean.text()
     emb = clean.checks["embedding"]
     assert emb["entries_recomputed"] == emb["bit_identical"] > 0
+    # the hot rows' online rings, regenerated from each table's key
+    assert emb["online_slots"] == emb["online_slots_bit_identical"] > 0
     assert "final_model" in clean.info["threat_model"]
     assert _tree(root) == before
 
@@ -224,3 +226,18 @@ def test_coalesced_csc_is_recomputed_and_tampering_found(tmp_path: Path) -> None
     found = _findings(report, "embedding")
     assert found and "differ from the stored CSC" in found[0]
     assert not _findings(report, "checksums")
+
+    ring = next(n for n in m["arrays"] if n.startswith("emb/") and "/ring/" in n)
+    rpath = m["arrays"][ring]["path"]
+    rarr = zarr.open_array(str(root / rpath), mode="r+")
+    rtampered = (rarr[...] * np.float32(1.001)).astype(rarr.dtype)
+    rarr[...] = rtampered
+
+    def fix_ring(doc: dict[str, Any]) -> None:
+        for meta in doc["arrays"].values():
+            if meta["path"] == rpath:
+                meta["checksum"] = array_checksum(rtampered)
+
+    _edit_manifests(root, fix_ring)
+    report = audit_store(str(root), coordinates=64, seed=5)
+    assert any("online ring slot" in f for f in _findings(report, "embedding"))
