@@ -56,6 +56,21 @@ def _edit_manifests(root: Path, edit: Any) -> None:
         p.write_text(json.dumps(doc, sort_keys=True, indent=1))
 
 
+def _scale_with_valid_checksums(root: Path, path: str) -> None:
+    """Multiply the array at store path `path` by 1.001 and re-stamp every manifest's
+    checksum of it: only regenerating the noise from the key can tell."""
+    arr = zarr.open_array(str(root / path), mode="r+")
+    tampered = (arr[...] * np.float32(1.001)).astype(arr.dtype)
+    arr[...] = tampered  # zarr rewrites the chunks with valid crc32c
+
+    def fix(doc: dict[str, Any]) -> None:
+        for meta in doc["arrays"].values():
+            if meta["path"] == path:
+                meta["checksum"] = array_checksum(tampered)
+
+    _edit_manifests(root, fix)
+
+
 def _findings(report: Any, check: str) -> list[str]:
     return [f.message for f in report.findings if f.check == check]
 
@@ -87,16 +102,7 @@ def test_changed_ring_slot_with_valid_checksums_is_found(store: Path) -> None:
     m = json.loads(_manifests(store)[-1].read_text())
     name = sorted(n for n in m["arrays"] if n.startswith("ring/"))[0]
     path = m["arrays"][name]["path"]
-    arr = zarr.open_array(str(store / path), mode="r+")
-    tampered = (arr[...] * np.float32(1.001)).astype(arr.dtype)
-    arr[...] = tampered  # zarr rewrites the chunk with a valid crc32c
-
-    def fix(doc: dict[str, Any]) -> None:
-        for meta in doc["arrays"].values():
-            if meta["path"] == path:
-                meta["checksum"] = array_checksum(tampered)
-
-    _edit_manifests(store, fix)
+    _scale_with_valid_checksums(store, path)
     # every checksum holds: only regenerating the noise from the key can tell
     Store.open(str(store), create=False).latest()
     report = audit_store(str(store), coordinates=64, seed=0)
@@ -211,33 +217,13 @@ def test_coalesced_csc_is_recomputed_and_tampering_found(tmp_path: Path) -> None
 
     m = json.loads(_manifests(root)[-1].read_text())
     name = next(n for n in m["arrays"] if n.endswith("csc/values"))
-    path = m["arrays"][name]["path"]
-    arr = zarr.open_array(str(root / path), mode="r+")
-    tampered = (arr[...] * np.float32(1.001)).astype(arr.dtype)
-    arr[...] = tampered
-
-    def fix(doc: dict[str, Any]) -> None:
-        for meta in doc["arrays"].values():
-            if meta["path"] == path:
-                meta["checksum"] = array_checksum(tampered)
-
-    _edit_manifests(root, fix)
+    _scale_with_valid_checksums(root, m["arrays"][name]["path"])
     report = audit_store(str(root), coordinates=64, seed=5)
     found = _findings(report, "embedding")
     assert found and "differ from the stored CSC" in found[0]
     assert not _findings(report, "checksums")
 
     ring = next(n for n in m["arrays"] if n.startswith("emb/") and "/ring/" in n)
-    rpath = m["arrays"][ring]["path"]
-    rarr = zarr.open_array(str(root / rpath), mode="r+")
-    rtampered = (rarr[...] * np.float32(1.001)).astype(rarr.dtype)
-    rarr[...] = rtampered
-
-    def fix_ring(doc: dict[str, Any]) -> None:
-        for meta in doc["arrays"].values():
-            if meta["path"] == rpath:
-                meta["checksum"] = array_checksum(rtampered)
-
-    _edit_manifests(root, fix_ring)
+    _scale_with_valid_checksums(root, m["arrays"][ring]["path"])
     report = audit_store(str(root), coordinates=64, seed=5)
     assert any("online ring slot" in f for f in _findings(report, "embedding"))
