@@ -72,7 +72,6 @@ def precompute_csc(
     *,
     tile_rows: int | None = None,
     tiles: Sequence[np.ndarray] | None = None,
-    horizon: int | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> CoalescedCSC:
     """The coalesced entries of every cold row of one table.
@@ -87,16 +86,12 @@ def precompute_csc(
         factors: (n,) float64, lr_s / B of every step s.
         tile_rows: slots per tile (default: `default_tile_rows`).
         tiles: explicit tiles (arrays of slots >= hot, each slot once), any order.
-        horizon: run steps [0, horizon) only (an export before the end); entries of
-            reads at or after it are dropped and tails cover [last read, horizon).
         progress: called with the slots finished after each tile.
 
     Returns:
-        The CSC, columns 0..horizon-1 and the tails in column horizon.
+        The CSC, columns 0..n-1 and the tails in column n.
     """
-    n = schedule.steps if horizon is None else horizon
-    if not 0 <= n <= schedule.steps:
-        raise ValueError(f"horizon={horizon} must lie in [0, {schedule.steps}]")
+    n = schedule.steps
     if factors.shape[0] < n:
         raise ValueError(f"factors has {factors.shape[0]} steps, the precompute needs {n}")
     rows = schedule.rows
@@ -126,14 +121,9 @@ def precompute_csc(
         starts, stops = schedule.row_ptr[trows], schedule.row_ptr[trows + 1]
         lens = stops - starts
         local = np.repeat(np.arange(k, dtype=np.int64), lens)
-        idx = (
-            np.concatenate([np.arange(a, z) for a, z in zip(starts, stops, strict=False)])
-            if k
-            else local
-        )
-        ev_step = schedule.row_steps[idx.astype(np.int64)] if idx.size else local
-        keep = ev_step < n
-        ev_step, local = ev_step[keep], local[keep]
+        # positions in row_steps of every read of these rows, without a loop per row
+        idx = np.arange(local.size) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
+        ev_step = schedule.row_steps[idx]
         by_step = np.argsort(ev_step, kind="stable")
         ev_step, local = ev_step[by_step], local[by_step]
         bounds = np.searchsorted(ev_step, np.arange(n + 1))

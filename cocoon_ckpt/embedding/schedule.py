@@ -97,20 +97,10 @@ class AccessSchedule:
             step_prev,
         )
 
-    def tails(self, horizon: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(seq, start) of every row's last gap, [last read before horizon (or 0), horizon):
-        seq is the number of reads before the horizon."""
-        n = self.steps if horizon is None else horizon
-        if n == self.steps:
-            seq = self.counts.astype(np.int64)
-        else:
-            seq = np.array(
-                [
-                    np.searchsorted(self.row_steps[a:z], n)
-                    for a, z in zip(self.row_ptr[:-1], self.row_ptr[1:], strict=False)
-                ],
-                dtype=np.int64,
-            )
+    def tails(self) -> tuple[np.ndarray, np.ndarray]:
+        """(seq, start) of every row's last gap, [last read (or 0), n): seq is the row's
+        number of reads."""
+        seq = self.counts.astype(np.int64)
         last = np.where(seq > 0, self.row_steps[np.maximum(self.row_ptr[:-1] + seq - 1, 0)], 0)
         return seq, last.astype(np.int64)
 
