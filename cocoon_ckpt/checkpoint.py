@@ -252,16 +252,10 @@ class Checkpointer:
         """Every rank writes its arrays of version v (its own folder); after a barrier
         (the gather) the coordinator writes the manifest listing them all. A rank that
         dies before the gather leaves no manifest, so the previous version stays newest."""
-        txn = None
-        if dist.is_coordinator:
-            parent = self.last
-            txn = self.store.begin(
-                snap.step,
-                parent=parent.version if parent else None,
-                job_fingerprint=snap.records.get("fingerprint"),
-            )
-            head = (txn.version, txn.lease.generation)
-        head = dist.broadcast_object(head if txn is not None else None)
+        txn = self._begin(snap) if dist.is_coordinator else None
+        head = dist.broadcast_object(
+            (txn.version, txn.lease.generation) if txn is not None else None
+        )
         shard = snap.records.pop("_shard", None)
         if txn is None:
             writer = self.store.shard_writer(head[0], snap.step, head[1], dist.rank)
@@ -288,13 +282,16 @@ class Checkpointer:
 
     def _write(self, snap: Snapshot) -> Manifest:
         hooks.point("checkpoint.async_flush", step=snap.step)
+        return self._commit(self._begin(snap), snap)
+
+    def _begin(self, snap: Snapshot) -> Transaction:
+        """The next version, child of the last committed one."""
         parent = self.last
-        txn = self.store.begin(
+        return self.store.begin(
             snap.step,
             parent=parent.version if parent else None,
             job_fingerprint=snap.records.get("fingerprint"),
         )
-        return self._commit(txn, snap)
 
     def _commit(self, txn: Transaction, snap: Snapshot) -> Manifest:
         """Write this process's arrays into `txn`, then the records, and commit."""

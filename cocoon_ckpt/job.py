@@ -6,13 +6,14 @@ one, and the result is bit-identical to an uninterrupted run (I3).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,28 +178,20 @@ def run_job(
             raise StoreError(f"rank 0 could not start the job: {payload}")
         store = Store.open(store_url, storage_options=storage_options, fs=fs, create=False)
     else:
-        try:
+        with _failure_to_ranks(dist):
             store = Store.open(store_url, storage_options=storage_options, fs=fs)
             if store.versions():
                 # A resume whose key is missing is refused before the lease is taken: a
                 # refused resume leaves the store exactly as it was.
                 _load_key(store, key_file, create=False)
             store.acquire_lease(takeover=takeover)
-        except BaseException as exc:
-            if dist is not None:
-                dist.broadcast_object(("error", f"{type(exc).__name__}: {exc}"))
-            raise
     ckpt: Checkpointer | None = None
     trainer: DPTrainer | None = None
     try:
         if dist is None or dist.is_coordinator:
-            try:
+            with _failure_to_ranks(dist):
                 latest = store.latest(allow_fallback=allow_fallback)
                 key = _load_key(store, key_file, create=latest is None)
-            except BaseException as exc:
-                if dist is not None:
-                    dist.broadcast_object(("error", f"{type(exc).__name__}: {exc}"))
-                raise
             if dist is not None:
                 dist.broadcast_object(("ok", latest.version if latest else None))
         else:
@@ -273,6 +266,18 @@ def run_job(
             finally:
                 if dist is None or dist.is_coordinator:
                     store.release_lease()  # even then: this process is done writing
+
+
+@contextlib.contextmanager
+def _failure_to_ranks(dist: DistContext | None) -> Iterator[None]:
+    """On the coordinator: a start-up failure is broadcast before it is raised, so the
+    other ranks, waiting for the lease, key and version, raise it too instead of hanging."""
+    try:
+        yield
+    except BaseException as exc:
+        if dist is not None:
+            dist.broadcast_object(("error", f"{type(exc).__name__}: {exc}"))
+        raise
 
 
 def _check_compatible(
