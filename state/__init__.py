@@ -13,12 +13,14 @@ from .errors import (
     FencedError,
     FormatVersionError,
     LeaseHeldError,
+    NotAStoreError,
     StoreError,
     StoreNotFoundError,
+    UnsafePathError,
     VersionNotFoundError,
 )
 from .lease import Lease
-from .manifest import FORMAT_VERSION, ArrayMeta, Manifest
+from .manifest import FORMAT_VERSION, ArrayMeta, Manifest, restamp
 from .retry import RetryPolicy, is_transient
 from .store import ShardWriter, Store, Transaction, Version
 
@@ -34,15 +36,18 @@ __all__ = [
     "Lease",
     "LeaseHeldError",
     "Manifest",
+    "NotAStoreError",
     "RetryPolicy",
     "ShardWriter",
     "Store",
     "StoreError",
     "StoreNotFoundError",
     "Transaction",
+    "UnsafePathError",
     "Version",
     "VersionNotFoundError",
     "array_checksum",
     "hooks",
     "is_transient",
+    "restamp",
 ]

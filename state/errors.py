@@ -8,8 +8,10 @@ __all__ = [
     "FencedError",
     "FormatVersionError",
     "LeaseHeldError",
+    "NotAStoreError",
     "StoreError",
     "StoreNotFoundError",
+    "UnsafePathError",
     "VersionNotFoundError",
 ]
 
@@ -29,22 +31,46 @@ class VersionNotFoundError(StoreError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class NotAStoreError(StoreNotFoundError):
+    """The location holds something else (a file, a user folder, a zarr v2 store, a plain
+    zarr v3 group): it is neither opened nor turned into a store."""
+
+
 class FormatVersionError(StoreError, ValueError):
-    """The store was written by a newer, incompatible format."""
+    """The store or a manifest is of a format this library does not read: a newer one,
+    or an older one without record checksums."""
 
 
 class CorruptVersionError(StoreError, ValueError):
-    """A version failed verification: unparsable manifest, missing array, bad checksum.
+    """A version failed verification: unparsable manifest, a record or header that fails
+    its checksum, missing array, bad checksum.
 
     Attributes:
         version: the damaged version number.
         path: the array or manifest path that failed, relative to the store root.
+        record: for a damaged manifest, the record that failed (its name in `records`),
+            or `"header"` for the fields around the records; None for an array.
     """
 
-    def __init__(self, message: str, *, version: int, path: str) -> None:
+    def __init__(self, message: str, *, version: int, path: str, record: str | None = None) -> None:
         super().__init__(message)
         self.version = version
         self.path = path
+        self.record = record
+
+
+class UnsafePathError(CorruptVersionError):
+    """A manifest names an array path that is not confined to the store: `..`, absolute,
+    an empty or odd component, outside versions/ and shared/, or (local disk) a link
+    that resolves outside the store root.
+
+    Attributes:
+        array: the logical array name whose path was refused.
+    """
+
+    def __init__(self, message: str, *, version: int, path: str, array: str) -> None:
+        super().__init__(message, version=version, path=path)
+        self.array = array
 
 
 class LeaseHeldError(StoreError, PermissionError):

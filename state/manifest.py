@@ -1,17 +1,38 @@
-"""The commit record of one version: written last, its exclusive creation is the commit."""
+"""The commit record of one version: written last, its exclusive creation is the commit.
+
+A manifest verifies itself. Every record carries a sha256 of its canonical JSON
+(`record_checksums`), and `header_checksum` covers everything else (version, step,
+parent, writer, job fingerprint, the arrays table and the record checksums); the stored
+bytes must also equal the canonical serialisation, so even a change that parses to the
+same values (`1e-05` -> `1E-05`) is caught. Array paths must stay inside the store.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CorruptVersionError, FormatVersionError
+from .errors import CorruptVersionError, FormatVersionError, UnsafePathError
 
-__all__ = ["FORMAT_VERSION", "ArrayMeta", "Manifest", "manifest_path"]
+__all__ = [
+    "FORMAT_VERSION",
+    "ArrayMeta",
+    "Manifest",
+    "manifest_path",
+    "restamp",
+    "unsafe_path_reason",
+]
 
-FORMAT_VERSION = 1
+#: 2: record and header checksums, canonical bytes, confined array paths.
+FORMAT_VERSION = 2
 _KIND = "cocoon-ckpt/manifest"
+_CHECKSUMS = ("header_checksum", "record_checksums")
+_PART = re.compile(r"^[A-Za-z0-9_.\-]+$")
+_VERSION_FOLDER = re.compile(r"^[0-9]{8}-g[0-9]+(-r[0-9]+)?$")
 
 
 def manifest_path(version: int) -> str:
@@ -87,51 +108,69 @@ class Manifest:
     """Small JSON records (sampler, accountant, config, ring layout, ...)."""
 
     def to_bytes(self) -> bytes:
-        doc = {
-            "kind": _KIND,
-            "format_version": FORMAT_VERSION,
-            "version": self.version,
-            "step": self.step,
-            "parent": self.parent,
-            "created": self.created,
-            "write_id": self.write_id,
-            "writer": self.writer,
-            "job_fingerprint": self.job_fingerprint,
-            "arrays": {k: v.to_json() for k, v in sorted(self.arrays.items())},
-            "records": self.records,
-        }
-        return json.dumps(doc, sort_keys=True, indent=1).encode()
+        """The canonical bytes, checksums included (the same values give the same bytes)."""
+        return _seal(
+            {
+                "kind": _KIND,
+                "format_version": FORMAT_VERSION,
+                "version": self.version,
+                "step": self.step,
+                "parent": self.parent,
+                "created": self.created,
+                "write_id": self.write_id,
+                "writer": self.writer,
+                "job_fingerprint": self.job_fingerprint,
+                "arrays": {k: v.to_json() for k, v in sorted(self.arrays.items())},
+                "records": self.records,
+            }
+        )
 
     @classmethod
     def from_bytes(cls, data: bytes, *, version: int, where: str) -> Manifest:
-        """Parse a manifest.
+        """Parse and verify a manifest: its checksums, its canonical form, its paths.
 
         Raises:
-            CorruptVersionError: not valid JSON, not a manifest, or the wrong version.
-            FormatVersionError: written by a newer format than this library reads.
+            CorruptVersionError: not valid JSON, not a manifest, the wrong version, a
+                record or the header fails its checksum, or the bytes are not canonical;
+                `record` names the damaged record (or `"header"`).
+            UnsafePathError: an array path leaves the store (a CorruptVersionError).
+            FormatVersionError: written by a newer format, or by format 1 (no checksums).
         """
         path = manifest_path(version)
+
+        def corrupt(what: str, record: str | None) -> CorruptVersionError:
+            return CorruptVersionError(
+                f"version {version} of {where}: manifest {path} {what}",
+                version=version,
+                path=path,
+                record=record,
+            )
+
         try:
             doc = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CorruptVersionError(
-                f"version {version} of {where}: manifest {path} is not valid JSON "
-                f"({exc}); it is torn or damaged",
-                version=version,
-                path=path,
+            pos = exc.pos if isinstance(exc, json.JSONDecodeError) else exc.start
+            region = _region(data, pos)
+            raise corrupt(
+                f"is not valid JSON ({exc}, in {_describe_region(region)}); it is torn or damaged",
+                region,
             ) from exc
         if not isinstance(doc, dict) or doc.get("kind") != _KIND:
-            raise CorruptVersionError(
-                f"version {version} of {where}: {path} is not a cocoon-ckpt manifest",
-                version=version,
-                path=path,
-            )
+            raise corrupt("is not a cocoon-ckpt manifest", "header")
         fv = doc.get("format_version")
         if not isinstance(fv, int) or fv > FORMAT_VERSION:
             raise FormatVersionError(
                 f"version {version} of {where}: manifest format {fv!r} is newer than this "
                 f"library reads ({FORMAT_VERSION}); upgrade cocoon-ckpt"
             )
+        if fv < FORMAT_VERSION and not any(k in doc for k in _CHECKSUMS):
+            raise FormatVersionError(
+                f"version {version} of {where}: manifest format {fv} carries no record "
+                f"checksums, so its records cannot be verified; this library reads format "
+                f"{FORMAT_VERSION} only: finish the job with the cocoon-ckpt that wrote it, or "
+                "start it again in a new store"
+            )
+        _verify_checksums(doc, corrupt)
         try:
             m = cls(
                 version=int(doc["version"]),
@@ -144,16 +183,144 @@ class Manifest:
                 arrays={k: ArrayMeta.from_json(v) for k, v in doc["arrays"].items()},
                 records=dict(doc["records"]),
             )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CorruptVersionError(
-                f"version {version} of {where}: manifest {path} lacks or mangles field {exc}",
-                version=version,
-                path=path,
-            ) from exc
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise corrupt(f"lacks or mangles field {exc}", "header") from exc
         if m.version != version:
-            raise CorruptVersionError(
-                f"version {version} of {where}: manifest {path} claims version {m.version}",
-                version=version,
-                path=path,
+            raise corrupt(f"claims version {m.version}", "header")
+        canonical = m.to_bytes()
+        if canonical != data:
+            at = next(
+                (i for i, (a, b) in enumerate(zip(data, canonical, strict=False)) if a != b),
+                min(len(data), len(canonical)),
             )
+            region = _region(data, at)
+            raise corrupt(
+                f"differs from its canonical form at byte {at} (in "
+                f"{_describe_region(region)}): it was altered after it was written",
+                region,
+            )
+        for name, meta in m.arrays.items():
+            reason = unsafe_path_reason(meta.path)
+            if reason is not None:
+                raise UnsafePathError(
+                    f"version {version} of {where}: array {name!r} has path {meta.path!r}, "
+                    f"which {reason}; a manifest may name only arrays under versions/ and "
+                    "shared/ of its own store, so this version is refused",
+                    version=version,
+                    path=meta.path,
+                    array=name,
+                )
         return m
+
+
+def unsafe_path_reason(path: str) -> str | None:
+    """Why an array path from a manifest is not confined to the store, or None if it is.
+
+    A confined path is `versions/<v:08d>-g<gen>[-r<k>]/<name>` or `shared/<name>`, with
+    every component non-empty, not `.` or `..`, of letters, digits, `_`, `.`, `-`.
+    """
+    if not path:
+        return "is empty"
+    if path.startswith("/") or re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*:", path):
+        return "is absolute"
+    if "\\" in path:
+        return "holds a backslash"
+    parts = path.split("/")
+    if any(p == "" for p in parts):
+        return "has an empty component"
+    if any(p in (".", "..") for p in parts):
+        return "has a '.' or '..' component"
+    if not all(_PART.match(p) for p in parts):
+        return "has a component with characters other than letters, digits, '_', '.', '-'"
+    if parts[0] == "versions":
+        if len(parts) < 3 or not _VERSION_FOLDER.match(parts[1]):
+            return "is not inside a version folder versions/<v>-g<gen>[-r<rank>]/"
+        return None
+    if parts[0] == "shared":
+        return None if len(parts) >= 2 else "names no array under shared/"
+    return "lies outside versions/ and shared/"
+
+
+def restamp(doc: Mapping[str, Any]) -> bytes:
+    """Canonical manifest bytes of `doc` (a parsed manifest, possibly edited) with fresh
+    checksums: what a writer who can recompute them would store.
+
+    For tests and tools that simulate such a writer (an attacker who rewrites a record
+    and its checksum), and for repairing a manifest by hand. Nothing is validated.
+    """
+    return _seal({k: v for k, v in doc.items() if k not in _CHECKSUMS})
+
+
+def _canonical(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _sha256(value: Any) -> str:
+    return "sha256:" + hashlib.sha256(_canonical(value)).hexdigest()
+
+
+def _header(doc: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in doc.items() if k not in ("records", "header_checksum")}
+
+
+def _seal(body: Mapping[str, Any]) -> bytes:
+    # A JSON round trip first: tuples become lists and int keys strings, exactly what a
+    # reader sees, so the checksums and the layout a reader recomputes are these.
+    doc: dict[str, Any] = json.loads(json.dumps(body))
+    doc["record_checksums"] = {k: _sha256(v) for k, v in doc["records"].items()}
+    doc["header_checksum"] = _sha256(_header(doc))
+    return json.dumps(doc, sort_keys=True, indent=1).encode()
+
+
+def _verify_checksums(
+    doc: dict[str, Any], corrupt: Callable[[str, str | None], CorruptVersionError]
+) -> None:
+    records, sums = doc.get("records"), doc.get("record_checksums")
+    if not isinstance(sums, dict) or not isinstance(doc.get("header_checksum"), str):
+        raise corrupt("lacks its header or record checksums", "header")
+    if _sha256(_header(doc)) != doc["header_checksum"]:
+        raise corrupt(
+            "header (version, step, parent, writer, job fingerprint, arrays table or record "
+            "checksums) fails its checksum: it is damaged",
+            "header",
+        )
+    if not isinstance(records, dict):
+        raise corrupt("has no records object", "header")
+    # The header verified, so the checksummed names are the true ones: name a missing
+    # record by its checksummed name, and say what stands in its place.
+    missing, extra = sorted(set(sums) - set(records)), sorted(set(records) - set(sums))
+    if missing:
+        instead = f" ({', '.join(map(repr, extra))} is there instead)" if extra else ""
+        raise corrupt(f"record {missing[0]!r} is missing{instead}: it is damaged", missing[0])
+    if extra:
+        raise corrupt(f"record {extra[0]!r} is not covered by a checksum: it is damaged", extra[0])
+    for name in sorted(records):
+        got = _sha256(records[name])
+        if got != sums[name]:
+            raise corrupt(
+                f"record {name!r} fails its checksum ({got} != stored {sums[name]}): it is damaged",
+                name,
+            )
+
+
+def _region(data: bytes, pos: int) -> str:
+    """The record whose lines hold byte `pos` of a manifest laid out as `to_bytes` lays
+    it out (one space per level: records' names at two), or `"header"`."""
+    start = data.rfind(b"\n", 0, pos) + 1
+    end = data.find(b"\n", pos)
+    lines = [*data[:start].split(b"\n")[:-1], data[start : None if end < 0 else end]]
+    record = None
+    for i, line in enumerate(reversed(lines)):
+        indent = len(line) - len(line.lstrip(b" "))
+        if i == 0 and indent < 2:
+            return "header"
+        if indent == 2 and line[2:3] == b'"' and record is None:
+            close = line.find(b'"', 3)
+            record = line[3:close].decode("ascii", "replace") if close > 0 else None
+        elif indent == 1 and line[1:2] == b'"':
+            return record if record and line.startswith(b' "records": ') else "header"
+    return "header"
+
+
+def _describe_region(region: str) -> str:
+    return "the header" if region == "header" else f"record {region!r}"
