@@ -115,11 +115,54 @@ class Backend:
         prefix = self.root.rstrip("/") + "/"
         return sorted(str(p)[len(prefix) :] for p in found if str(p).startswith(prefix))
 
+    # reads that another process's writes must not miss -----------------------------
+    def invalidate(self, rel: str | None = None) -> None:
+        """Forget what the filesystem cached about `rel` and its parents (None: about
+        everything). s3fs answers `ls`, `exists` and even the size probe of `cat_file`
+        from listings it cached earlier, so without this another process's new lease
+        generation or manifest stays invisible to this one. Local disk and memory://
+        cache nothing; for them this does nothing."""
+        if rel is None:
+            self.fs.invalidate_cache()
+        else:
+            self.fs.invalidate_cache(self.path(rel))
+
+    def exists_fresh(self, rel: str) -> bool:
+        """`exists`, asked of the storage itself (one HEAD on S3), not of a cache."""
+        self.invalidate(rel)
+        return self.exists(rel)
+
+    def listdir_fresh(self, rel: str) -> list[str]:
+        """`listdir`, listed by the storage itself, not taken from a cache."""
+        self.invalidate(rel)
+        return self.listdir(rel)
+
+    def replace(self, rel: str, data: bytes) -> None:
+        """Write small owner-only bytes at `rel`, replacing what is there, atomically: a
+        reader sees the old or the new bytes, never a mix (local disk: temp file + rename;
+        object stores: one PUT). For objects rewritten in place, such as a lease's
+        heartbeat; never for anything a manifest references (those are write-once)."""
+        if not self.local:
+            self.retry.call(lambda: self.fs.pipe_file(self.path(rel), data))
+            return
+        final = self.path(rel)
+        tmp = f"{final}.{uuid.uuid4().hex}.partial"
+        self._write_local_durable(tmp, data, private=True)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
     # writes ----------------------------------------------------------------------
-    def makedirs(self, rel: str, *, private: bool = False) -> None:
+    def makedirs(self, rel: str, *, private: bool = True) -> None:
+        """Create folder `rel` and its missing parents. On local disk every folder this
+        creates is owner-only (0700) whatever the umask; `private` is kept for callers
+        and changes nothing (there is no shared mode)."""
         path = self.path(rel)
         if self.local:
-            os.makedirs(path, mode=0o700 if private else 0o777, exist_ok=True)
+            _makedirs_private(path)
         else:
             self.retry.call(lambda: self.fs.makedirs(path, exist_ok=True))
 
@@ -128,15 +171,16 @@ class Backend:
 
         Local disk: temp file, fsync, rename into place, fsync the folder, so a crash
         leaves either nothing or the whole file (plus at most a `.partial` leftover).
+        The file is 0600 whatever `private` says (every file of a store is owner-only).
         """
         if not self.local:
             self.retry.call(lambda: self.fs.pipe_file(self.path(rel), data))
             return
         final = self.path(rel)
         parent = os.path.dirname(final)
-        os.makedirs(parent, exist_ok=True)
+        _makedirs_private(parent)
         tmp = f"{final}.{uuid.uuid4().hex}.partial"
-        self._write_local_durable(tmp, data, private=private)
+        self._write_local_durable(tmp, data)
         os.replace(tmp, final)
         _fsync_path(parent)
 
@@ -158,9 +202,9 @@ class Backend:
             return
         final = self.path(rel)
         parent = os.path.dirname(final)
-        os.makedirs(parent, exist_ok=True)
+        _makedirs_private(parent)
         tmp = f"{final}.{uuid.uuid4().hex}.partial"
-        self._write_local_durable(tmp, data, private=False)
+        self._write_local_durable(tmp, data)
         try:
             if on_temp_durable is not None:
                 on_temp_durable()
@@ -241,9 +285,12 @@ class Backend:
         return zarr.storage.FsspecStore(fs, path=self.path(rel))
 
     @staticmethod
-    def _write_local_durable(path: str, data: bytes, *, private: bool) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o644)
+    def _write_local_durable(path: str, data: bytes, *, private: bool = True) -> None:
+        """Create `path` (0600 whatever the umask and `private`: the noise history and
+        the model are as secret as the key), write `data` and fsync it."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            os.fchmod(fd, 0o600)  # open's mode is masked by the umask; fchmod's is not
             view = memoryview(data)
             while view:
                 n = os.write(fd, view)
@@ -251,6 +298,27 @@ class Backend:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _makedirs_private(path: str) -> None:
+    """`os.makedirs(path, exist_ok=True)`, but every folder it creates is 0700: makedirs
+    gives the parents it creates the umask's mode, and a mkdir mode is masked by it."""
+    if os.path.isdir(path):
+        return
+    missing = []
+    here = os.path.abspath(path)
+    while not os.path.exists(here):
+        missing.append(here)
+        up = os.path.dirname(here)
+        if up == here:
+            break
+        here = up
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            continue  # made at the same moment by another writer of this store
+        os.chmod(folder, 0o700)
 
 
 def _fsync_path(path: str) -> None:
