@@ -25,7 +25,7 @@ from .errors import (
     StoreNotFoundError,
     VersionNotFoundError,
 )
-from .lease import Lease, acquire_lease, current_holder
+from .lease import DEFAULT_LEASE_EXPIRY_S, Lease, acquire_lease, current_holder
 from .manifest import FORMAT_VERSION, ArrayMeta, Manifest, manifest_path
 from .retry import RetryPolicy
 
@@ -377,9 +377,11 @@ class Store:
         return str(fp) if fp is not None else None
 
     # leases ----------------------------------------------------------------------
-    def acquire_lease(self, *, takeover: bool = False) -> Lease:
+    def acquire_lease(
+        self, *, takeover: bool = False, expiry_s: float = DEFAULT_LEASE_EXPIRY_S
+    ) -> Lease:
         """Become this store's one writer (see `state.lease.acquire_lease`)."""
-        self.lease = acquire_lease(self.backend, takeover=takeover)
+        self.lease = acquire_lease(self.backend, takeover=takeover, expiry_s=expiry_s)
         return self.lease
 
     def release_lease(self) -> None:
