@@ -20,7 +20,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from state import ArrayMeta, Manifest, Store, Transaction, Version, hooks
+from state import (
+    ArrayMeta,
+    CorruptVersionError,
+    FormatVersionError,
+    Manifest,
+    Store,
+    Transaction,
+    Version,
+    hooks,
+)
 
 from .accountant import Accountant
 from .distributed import DistContext
@@ -312,7 +321,12 @@ class Checkpointer:
         manifest = txn.commit()
         self.bytes_written += txn.bytes_written
         self.last = manifest
-        self.store.retain(keep_last=self.keep_last, newest_valid=manifest.version)
+        try:
+            self.store.retain(keep_last=self.keep_last, newest_valid=manifest.version)
+        except (CorruptVersionError, FormatVersionError) as exc:
+            # The commit stands; only the clean-up is skipped, deleting nothing, until
+            # the damaged version is repaired or retain(discard_damaged=True) is asked for.
+            log.warning("version %d committed; retention skipped: %s", manifest.version, exc)
         log.info(
             "committed version %d at step %d (%d bytes)",
             manifest.version,

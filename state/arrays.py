@@ -148,13 +148,16 @@ def write_array(
 
 
 def _write_file(backend: Backend, rel: str, parts: list[Any], *, exclusive: bool) -> None:
-    """Write a file of a version in progress; durability comes from the commit's fsync."""
+    """Write a file of a version in progress; durability comes from the commit's fsync.
+    On local disk it is 0600 in 0700 folders whatever the umask (chunks hold the noise
+    history and the model)."""
     path = backend.path(rel)
     if backend.local:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        backend.makedirs(os.path.dirname(rel))
         flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
-        fd = os.open(path, flags, 0o644)
+        fd = os.open(path, flags, 0o600)
         try:
+            os.fchmod(fd, 0o600)  # open's mode is masked by the umask; fchmod's is not
             for part in parts:
                 view = memoryview(part)
                 while view:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import os
 import re
 import uuid
 from collections.abc import Iterator
@@ -21,12 +22,14 @@ from .errors import (
     CommitConflictError,
     CorruptVersionError,
     FormatVersionError,
+    NotAStoreError,
     StoreError,
     StoreNotFoundError,
+    UnsafePathError,
     VersionNotFoundError,
 )
 from .lease import DEFAULT_LEASE_EXPIRY_S, Lease, acquire_lease, current_holder
-from .manifest import FORMAT_VERSION, ArrayMeta, Manifest, manifest_path
+from .manifest import FORMAT_VERSION, ArrayMeta, Manifest, manifest_path, unsafe_path_reason
 from .retry import RetryPolicy
 
 __all__ = ["Store", "Transaction", "Version"]
@@ -81,7 +84,7 @@ class Version:
         if name in self._cache:
             return self._cache[name]
         meta = self.manifest.arrays[name]
-        arr = self.store._read_verified(self.version, meta)
+        arr = self.store._read_verified(self.version, name, meta)
         self._cache[name] = arr
         return arr
 
@@ -308,24 +311,57 @@ class Store:
         Raises:
             StoreNotFoundError: nothing is there and `create` is False.
             FormatVersionError: the store is of a newer format.
-            StoreError: the location holds something that is not a cocoon-ckpt store.
+            NotAStoreError: the location holds something that is not a cocoon-ckpt store
+                (a file, a non-empty folder, a zarr v2 store, a plain zarr v3 group);
+                nothing is written or chmod'ed.
         """
         store = cls(Backend(url, storage_options, fs=fs, retry=retry), retry=retry)
         backend = store.backend
-        try:
-            raw = backend.read_bytes("zarr.json")
-        except FileNotFoundError:
-            raw = None
+        if backend.local and os.path.exists(backend.root) and not os.path.isdir(backend.root):
+            raise NotAStoreError(
+                f"{url} is a file, not a cocoon-ckpt store; give the path of a store, or of a "
+                "new or empty folder to create one in"
+            )
+        raw = store._read_root()
         if raw is None:
             if not create:
                 raise StoreNotFoundError(
                     f"{url} holds no cocoon-ckpt store (no zarr.json at its root); check the "
                     "URL, or run a job against it first to create one"
                 )
+            # Everything that can refuse is checked before the first write or chmod.
+            foreign = store._foreign_entries()
+            raw = store._read_root() if foreign else None  # a racing creator finished
+            if raw is None and foreign:
+                raise NotAStoreError(f"{url} {_describe_foreign(foreign)}")
+        if raw is None:
             store._initialise(attributes or {})
         else:
             store._load_root(raw)
         return store
+
+    def _read_root(self) -> bytes | None:
+        try:
+            return self.backend.read_bytes("zarr.json")
+        except FileNotFoundError:
+            return None
+
+    def _foreign_entries(self) -> list[str]:
+        """What lies at the location besides an unfinished store skeleton (the folders
+        `_initialise` creates, and its temp files, left by a creator that crashed or is
+        still running)."""
+        b = self.backend
+        out: list[str] = []
+        for name in b.listdir(""):
+            if name in _SKELETON:
+                out.extend(
+                    f"{name}/{sub}"
+                    for sub in b.listdir(name)
+                    if sub not in _SKELETON[name] and not _is_temp(sub)
+                )
+            elif not _is_temp(name):
+                out.append(name)
+        return out
 
     def _initialise(self, attributes: dict[str, Any]) -> None:
         b = self.backend
@@ -355,9 +391,10 @@ class Store:
             doc = json.loads(raw)
             attrs = doc["attributes"][_ATTR]
         except (ValueError, KeyError, TypeError) as exc:
-            raise StoreError(
-                f"{self.backend.url}: zarr.json is not a cocoon-ckpt store root (no "
-                f"'{_ATTR}' attributes); point at a cocoon-ckpt store or an empty location"
+            raise NotAStoreError(
+                f"{self.backend.url} holds a zarr.json that is not a cocoon-ckpt store root "
+                f"(a plain zarr group or array: no '{_ATTR}' attributes); it is left as it "
+                "is: point at a cocoon-ckpt store, or at a new or empty folder"
             ) from exc
         fv = attrs.get("format_version")
         if not isinstance(fv, int) or fv > FORMAT_VERSION:
@@ -490,9 +527,8 @@ class Store:
                         if older
                         else "; no older version exists"
                     )
-                    raise CorruptVersionError(
-                        str(exc) + hint, version=exc.version, path=exc.path
-                    ) from exc
+                    exc.args = (str(exc) + hint,)  # same class, version, path and record
+                    raise
                 log.warning("skipping damaged version: %s", exc)
                 errors.append(exc)
         if errors:
@@ -500,6 +536,7 @@ class Store:
                 f"{self.url}: every version is damaged: " + "; ".join(str(e) for e in errors),
                 version=errors[-1].version,
                 path=errors[-1].path,
+                record=errors[-1].record,
             )
         return None
 
@@ -538,8 +575,9 @@ class Store:
             self.backend.rm(txn.folder, recursive=True)
         return txn
 
-    def _read_verified(self, version: int, meta: ArrayMeta) -> np.ndarray:
+    def _read_verified(self, version: int, name: str, meta: ArrayMeta) -> np.ndarray:
         where = f"version {version} of {self.url}: array {meta.path}"
+        self._check_confined(version, name, meta)
         # The zarr group an array was written into: versions/<folder> or shared.
         top = meta.path.split("/")
         base = "/".join(top[:2]) if top[0] == "versions" else top[0]
@@ -567,9 +605,41 @@ class Store:
             )
         return arr
 
+    def _check_confined(self, version: int, name: str, meta: ArrayMeta) -> None:
+        """Refuse an array path that leaves the store: by its form (every backend), and
+        on local disk by where its folder and every link inside it resolve.
+
+        Raises:
+            UnsafePathError: naming the version, the array and the path.
+        """
+
+        def refuse(reason: str) -> UnsafePathError:
+            return UnsafePathError(
+                f"version {version} of {self.url}: array {name!r} has path {meta.path!r}, "
+                f"which {reason}; a manifest may name only arrays inside its own store, so "
+                "this version is refused",
+                version=version,
+                path=meta.path,
+                array=name,
+            )
+
+        reason = unsafe_path_reason(meta.path)
+        if reason is not None:
+            raise refuse(reason)
+        if not self.backend.local:
+            return
+        escaped = _escaping_link(os.path.realpath(self.backend.root), self.backend.path(meta.path))
+        if escaped is not None:
+            raise refuse(f"resolves outside the store root through {escaped}")
+
     # retention -------------------------------------------------------------------
     def retain(
-        self, *, keep_last: int = 2, keep_every: int | None = None, newest_valid: int | None = None
+        self,
+        *,
+        keep_last: int = 2,
+        keep_every: int | None = None,
+        newest_valid: int | None = None,
+        discard_damaged: bool = False,
     ) -> list[str]:
         """Delete what no kept manifest references.
 
@@ -578,8 +648,25 @@ class Store:
         unless the caller names it as `newest_valid`). Manifests go first, so a version
         stops being visible before any of its arrays is removed.
 
+        Every manifest is verified before anything is deleted. One that fails (damaged,
+        or of a format this library does not read) stops retention: its arrays may be
+        all that is left to repair it from, and they would look unreferenced.
+
+        Args:
+            keep_last: how many of the newest verifiable versions to keep (>= 2).
+            keep_every: also keep every version whose step is a multiple of this.
+            newest_valid: the newest version known to verify (skips reading it again).
+            discard_damaged: delete versions whose manifest fails to verify, and every
+                array only they reference, instead of stopping. Only on explicit request.
+
         Returns:
             The store-relative paths deleted.
+
+        Raises:
+            CorruptVersionError: a manifest is damaged (and `discard_damaged` is off);
+                nothing was deleted.
+            FormatVersionError: a manifest is of another format (and `discard_damaged`
+                is off); nothing was deleted.
         """
         if keep_last < 2:
             raise ValueError(f"retain keep_last={keep_last} must be >= 2 (the newest two stay)")
@@ -588,20 +675,32 @@ class Store:
         have = self.versions()
         if not have:
             return []
-        if newest_valid is None:
-            latest = self.latest(allow_fallback=True)
-            newest_valid = latest.version if latest else None
-        keep = set(have[-keep_last:])
-        if newest_valid is not None:
-            keep.add(newest_valid)
         manifests: dict[int, Manifest] = {}
         for v in have:
             try:
                 manifests[v] = self.manifest(v)
-            except CorruptVersionError:
-                continue
-            if keep_every and manifests[v].step % keep_every == 0:
-                keep.add(v)
+            except (CorruptVersionError, FormatVersionError) as exc:
+                if discard_damaged:
+                    log.warning("retention discards version %d: %s", v, exc)
+                    continue
+                stop = (
+                    f"{self.url}: retention stopped, nothing was deleted: {exc}; repair or "
+                    f"move away {manifest_path(v)}, or retain with discard_damaged=True to "
+                    "delete that version and the arrays only it references"
+                )
+                if isinstance(exc, CorruptVersionError):
+                    raise CorruptVersionError(
+                        stop, version=exc.version, path=exc.path, record=exc.record
+                    ) from exc
+                raise FormatVersionError(stop) from exc
+        valid = sorted(manifests)
+        if newest_valid is None:
+            newest_valid = self._newest_verified(valid, manifests)
+        keep = set(valid[-keep_last:])
+        if newest_valid is not None:
+            keep.add(newest_valid)
+        if keep_every:
+            keep |= {v for v in valid if manifests[v].step % keep_every == 0}
         deleted: list[str] = []
         for v in have:
             if v not in keep:
@@ -635,11 +734,69 @@ class Store:
             deleted.append(rel)
         return deleted
 
+    def _newest_verified(self, valid: list[int], manifests: dict[int, Manifest]) -> int | None:
+        """The newest of `valid` whose arrays all verify (retention never deletes it)."""
+        for v in reversed(valid):
+            try:
+                Version(self, manifests[v]).verify()
+            except CorruptVersionError as exc:
+                log.warning("retention: version %d does not verify: %s", v, exc)
+                continue
+            return v
+        return None
+
     def _partials(self) -> Iterator[str]:
         for top in ("manifests", "leases", "secret"):
             for name in self.backend.listdir(top):
                 if name.endswith(".partial"):
                     yield f"{top}/{name}"
+
+
+def _escaping_link(root: str, top: str) -> str | None:
+    """The first of `top` and the links under it that resolves outside `root` (both
+    real paths are compared), or None. Links to folders inside the store are followed."""
+    seen: set[str] = set()
+    pending = [top]
+    while pending:
+        path = pending.pop()
+        real = os.path.realpath(path)
+        if real != root and not real.startswith(root + os.sep):
+            return path
+        if real in seen or not os.path.isdir(real):
+            continue
+        seen.add(real)
+        with os.scandir(real) as entries:
+            for entry in entries:
+                if entry.is_symlink():
+                    pending.append(entry.path)
+                elif entry.is_dir(follow_symlinks=False):
+                    pending.append(entry.path)
+    return None
+
+
+#: The skeleton `_initialise` writes before the root zarr.json: folder -> its files.
+_SKELETON: dict[str, set[str]] = {
+    "versions": {"zarr.json"},
+    "shared": {"zarr.json"},
+    "manifests": set(),
+    "leases": set(),
+}
+
+
+def _is_temp(name: str) -> bool:
+    return name.startswith("zarr.json.") and name.endswith(".partial")
+
+
+def _describe_foreign(entries: list[str]) -> str:
+    shown = ", ".join(entries[:5]) + (f", ... ({len(entries)} in all)" if len(entries) > 5 else "")
+    if any(e.rsplit("/", 1)[-1] in (".zgroup", ".zarray", ".zattrs") for e in entries):
+        kind = "holds a zarr v2 store"
+    else:
+        kind = "is a non-empty folder"
+    return (
+        f"{kind}, not a cocoon-ckpt store (it holds {shown}); nothing was written: point at a "
+        "cocoon-ckpt store, or at a new or empty folder to create one"
+    )
 
 
 def _describe(have: list[int]) -> str:
