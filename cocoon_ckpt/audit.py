@@ -1,10 +1,14 @@
 """The audit of a store's noise state: what `cocoon-ckpt audit` prints and exits on.
 
-The audit trusts nothing it reads: every manifest of the chain is parsed and every
-array checksummed, the stored ring slots are compared with noise regenerated from the
-key (so a slot rewritten with a valid checksum is still caught), epsilon is recomputed
-from the configuration (not from the accountant record), and the fingerprint and key id
-of every version are recomputed and compared.
+The audit trusts nothing it reads and executes nothing it reads (I7): every manifest of
+the chain is parsed and every array checksummed, the stored ring slots are compared
+with noise regenerated from the key (so a slot rewritten with a valid checksum is still
+caught), epsilon is recomputed from the configuration (not from the accountant record),
+"finished" is derived from the step count, and the fingerprint and key id of every
+version are recomputed and compared. Every step label, shape and count is checked
+against the config before any work or allocation depends on it (`cocoon_ckpt.bounds`).
+Checks that need the job's data (an embedding table's access schedule) run only with a
+job the caller names (`job=`, `--job`, `--example`); the report lists what was skipped.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 import secrets
-import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,10 +27,14 @@ from state import CorruptVersionError, Manifest, Store, StoreError, Version
 
 from . import config as cfgmod
 from .accountant import epsilon as compute_epsilon
+from .bounds import VersionBounds, check_bounds
 from .catalog import own_prefix
 from .errors import NoiseKeyError
+from .exposure import walk_exposure
 from .gemv import mix_history
+from .guarantee import describe
 from .job import key_id
+from .jobs import JobParts, resolve
 from .layout import KEY_SECRET, THREAT_MODEL_DEFAULT, THREAT_MODELS
 from .mechanism import BandMF
 from .noise import BLOCK, KeyedNoise
@@ -66,6 +74,8 @@ class AuditReport:
     info: dict[str, Any] = field(default_factory=dict)
     """Threat model, key presence, who can read the store, epsilon."""
     plots: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    """Checks not run, each with why and how to run it (e.g. no job was given)."""
 
     @property
     def ok(self) -> bool:
@@ -81,6 +91,7 @@ class AuditReport:
             "findings": [f.as_json() for f in self.findings],
             "checks": self.checks,
             "info": self.info,
+            "skipped": self.skipped,
             "plots": self.plots,
         }
 
@@ -90,7 +101,11 @@ class AuditReport:
             detail = ", ".join(f"{k}={v}" for k, v in c.items())
             lines.append(f"  {name:<12} {detail}")
         for k, v in self.info.items():
+            if isinstance(v, dict):
+                v = ", ".join(f"{a}={b}" for a, b in v.items() if not isinstance(b, dict))
             lines.append(f"  {k}: {v}")
+        for sk in self.skipped:
+            lines.append(f"SKIPPED: {sk}")
         for f in self.findings:
             where = f" (version {f.version})" if f.version is not None else ""
             lines.append(f"FINDING [{f.check}]{where}: {f.message}")
@@ -153,7 +168,11 @@ def _check_chain(store: Store, report: AuditReport) -> dict[int, Manifest]:
         for name, meta in m.arrays.items():
             if meta.path.startswith(own_prefix(m)) or not meta.path.startswith("versions/"):
                 continue
-            src = int(meta.path.split("/")[1].split("-")[0])
+            try:
+                src = int(meta.path.split("/")[1].split("-")[0])
+            except (IndexError, ValueError):
+                report.add("chain", f"array {name} lies at {meta.path}, not a version folder", v)
+                continue
             old = manifests.get(src)
             if old is not None and name in old.arrays and old.arrays[name] != meta:
                 report.add(
@@ -167,13 +186,62 @@ def _check_chain(store: Store, report: AuditReport) -> dict[int, Manifest]:
     return manifests
 
 
-def _check_checksums(store: Store, manifests: dict[int, Manifest], report: AuditReport) -> None:
+def _stored_bytes(store: Store, path: str) -> int:
+    """Bytes the store holds under an array's folder (chunks and metadata)."""
+    b = store.backend
+    try:
+        return int(b.retry.call(lambda: b.fs.du(b.path(path), total=True)))
+    except FileNotFoundError:
+        return 0
+
+
+def _check_bounds(
+    store: Store, manifests: dict[int, Manifest], report: AuditReport
+) -> dict[int, VersionBounds]:
+    """Every version's labels, shapes and counts against its config, and every array's
+    recorded size against the bytes the store holds for it, before anything is read."""
+    bounds: dict[int, VersionBounds] = {}
+    sizes: dict[str, int] = {}
+    for v, m in sorted(manifests.items()):
+        vb = check_bounds(m)
+        for p in vb.problems:
+            report.add("bounds", p, v)
+        for name, meta in m.arrays.items():
+            if name in vb.unsafe:
+                continue
+            if meta.path not in sizes:
+                sizes[meta.path] = _stored_bytes(store, meta.path)
+            if meta.nbytes > sizes[meta.path]:
+                vb.unsafe.add(name)
+                report.add(
+                    "bounds",
+                    f"array {name} is recorded as {meta.dtype}{list(meta.shape)} "
+                    f"({meta.nbytes} bytes) but the store holds {sizes[meta.path]} bytes "
+                    f"at {meta.path}: the manifest claims more than was written",
+                    v,
+                )
+        bounds[v] = vb
+    report.checks["bounds"] = {
+        "versions": len(bounds),
+        "in_bounds": sum(vb.ok for vb in bounds.values()),
+    }
+    return bounds
+
+
+def _check_checksums(
+    store: Store,
+    manifests: dict[int, Manifest],
+    bounds: dict[int, VersionBounds],
+    report: AuditReport,
+) -> None:
     arrays = 0
     nbytes = 0
     seen: set[str] = set()
     for v, m in sorted(manifests.items()):
         ver = Version(store, m)
         for name in ver.array_names():
+            if name in bounds[v].unsafe:
+                continue  # reported by the bounds check; reading it could allocate anything
             meta = m.arrays[name]
             try:
                 ver.array(name)
@@ -187,12 +255,17 @@ def _check_checksums(store: Store, manifests: dict[int, Manifest], report: Audit
     report.checks["checksums"] = {"arrays": arrays, "bytes": nbytes}
 
 
-def _check_records(manifests: dict[int, Manifest], report: AuditReport) -> None:
-    """Fingerprint, accountant and internal consistency of each version's records."""
+def _check_records(
+    manifests: dict[int, Manifest], bounds: dict[int, VersionBounds], report: AuditReport
+) -> None:
+    """Fingerprint, accountant, `complete` and internal consistency of each version's
+    records."""
     fingerprints: set[str] = set()
     recomputed_eps = 0
     for v, m in sorted(manifests.items()):
         rec = m.records
+        if not bounds[v].steps:
+            continue  # the config cannot be read: reported by the bounds check
         try:
             cfg = rec["config"]
             dp = cfg["dp"]
@@ -200,6 +273,14 @@ def _check_records(manifests: dict[int, Manifest], report: AuditReport) -> None:
         except (KeyError, TypeError) as exc:
             report.add("fingerprint", f"config record is missing or malformed ({exc})", v)
             continue
+        finished = m.step == int(dp["steps"])
+        if rec.get("complete") is not finished:
+            report.add(
+                "complete",
+                f"record complete={rec.get('complete')!r}, but the version is at step "
+                f"{m.step} of {dp['steps']}: finished is {finished}",
+                v,
+            )
         fingerprints.add(fp)
         if rec.get("fingerprint") != fp or m.job_fingerprint != fp:
             report.add(
@@ -208,7 +289,10 @@ def _check_records(manifests: dict[int, Manifest], report: AuditReport) -> None:
                 f"{m.job_fingerprint} do not match the config's {fp}",
                 v,
             )
-        acc = rec.get("accountant", {})
+        acc = rec.get("accountant")
+        if not isinstance(acc, dict):
+            report.add("accountant", "accountant record is missing or not a mapping", v)
+            continue
         want = {
             "noise_multiplier": float(dp["noise_multiplier"]),
             "dataset_size": int(dp["dataset_size"]),
@@ -224,7 +308,7 @@ def _check_records(manifests: dict[int, Manifest], report: AuditReport) -> None:
                     f"accountant record {k}={acc.get(k)!r}, but the config and step say {val!r}",
                     v,
                 )
-        if m.step > 0:
+        if 0 < m.step <= bounds[v].steps:
             eps = compute_epsilon(
                 want["noise_multiplier"],
                 want["dataset_size"],
@@ -246,7 +330,8 @@ def _check_records(manifests: dict[int, Manifest], report: AuditReport) -> None:
                     v,
                 )
         for name in ("trainer", "noise"):
-            got = rec.get(name, {}).get("step" if name == "trainer" else "t")
+            part = rec.get(name)
+            got = part.get("step" if name == "trainer" else "t") if isinstance(part, dict) else None
             if got != m.step:
                 report.add("chain", f"record {name} is at step {got}, the manifest at {m.step}", v)
     if len(fingerprints) > 1:
@@ -299,12 +384,20 @@ def _regenerate(
 def _check_noise(
     store: Store,
     manifests: dict[int, Manifest],
+    bounds: dict[int, VersionBounds],
     key: bytes,
     coordinates: int,
     seed: int,
     report: AuditReport,
 ) -> None:
-    newest = manifests[max(manifests)]
+    usable = [v for v in manifests if bounds[v].noise_ok]
+    if not usable:
+        report.skipped.append(
+            "noise: no version's noise records are within the config's bounds (see the "
+            "bounds findings); nothing was regenerated"
+        )
+        return
+    newest = manifests[max(usable)]
     rec = newest.records
     key_ids = {m.records.get("key_id") for m in manifests.values()}
     kid = key_id(key)
@@ -326,11 +419,13 @@ def _check_noise(
     # Every stored slot, once per array path, from every readable version.
     stored: dict[str, tuple[int, int, np.ndarray, np.ndarray]] = {}
     for v, m in sorted(manifests.items()):
+        if not bounds[v].noise_ok or m.records["noise"]["dim"] != dim:
+            continue
         ver = Version(store, m)
-        for shard in m.records.get("noise", {}).get("shards", []):
+        for shard in m.records["noise"]["shards"]:
             for _slot, step, name in shard["slots"]:
                 meta = m.arrays.get(name)
-                if meta is None or meta.path in stored:
+                if meta is None or meta.path in stored or name in bounds[v].unsafe:
                     continue
                 try:
                     arr = ver.array(name)
@@ -387,37 +482,72 @@ def _check_noise(
 
 
 def _check_embedding(
-    store: Store, newest: Manifest, key: bytes, rows_per_table: int, seed: int, report: AuditReport
+    store: Store,
+    newest: Manifest,
+    key: bytes,
+    rows_per_table: int,
+    seed: int,
+    report: AuditReport,
+    parts: JobParts | None,
 ) -> None:
-    """Coalesced tables: the stored noise order and CSC structure against the schedule
-    rebuilt from the job (sampler + data), and the entries of random cold rows against
-    a precompute from the key (tiling-independent, so bit for bit)."""
+    """Each table's online ring against noise regenerated from the table's key; with the
+    job's parts (given by the caller, never resolved from the store), the stored noise
+    order and CSC structure against the schedule rebuilt from the sampler and data, and
+    the entries of random cold rows against a precompute from the key (tiling-
+    independent, so bit for bit)."""
     from .config import JobConfig
     from .embedding.csc import CoalescedCSC
     from .embedding.precompute import precompute_csc, table_key, table_noise
     from .embedding.schedule import table_schedule
-    from .jobs import resolve
     from .layout import emb_name
     from .sampler import CyclicPoissonSampler
 
     emb = newest.records["embedding"]
     config = JobConfig.from_record(newest.records["config"])
-    parts = resolve(config.job)(config)
-    specs = {s.param: s for s in (config.embedding.tables if config.embedding else ())}
-    specs = specs or {s.param: s for s in parts.tables}
     dp = config.dp
-    sampler = CyclicPoissonSampler(
-        dataset_size=dp.dataset_size, batch_size=dp.batch_size, bands=dp.bands, seed=dp.seed
-    )
-    batches = sampler.schedule(dp.steps)
     mechanism = BandMF.from_state_dict(newest.records["mechanism"])
     std = dp.noise_multiplier * dp.max_grad_norm
     ver = Version(store, newest)
     rng = np.random.default_rng(seed)
-    checked = identical = slots_checked = slots_identical = 0
+    slots_checked = slots_identical = 0
+    for t in emb["tables"]:
+        ring_checked, ring_same = _check_table_ring(
+            ver, t, table_key(key, t["param"]), mechanism, std, rng, report
+        )
+        slots_checked += ring_checked
+        slots_identical += ring_same
+    report.checks["embedding"] = {
+        "tables": len(emb["tables"]),
+        "threat_model": emb["threat_model"],
+        "online_slots": slots_checked,
+        "online_slots_bit_identical": slots_identical,
+        "seed": seed,
+    }
+    if parts is None:
+        report.skipped.append(
+            f"embedding schedule: the noise order, CSC structure and cold rows' entries of "
+            f"{len(emb['tables'])} tables need the job's data (job {config.job!r} is named by "
+            "the store, and audit runs no code a store names): pass --job MODULE:FUNCTION or "
+            "--example NAME (job= in Python) to check them"
+        )
+        return
+    specs = {s.param: s for s in (config.embedding.tables if config.embedding else ())}
+    specs = specs or {s.param: s for s in parts.tables}
+    sampler = CyclicPoissonSampler(
+        dataset_size=dp.dataset_size, batch_size=dp.batch_size, bands=dp.bands, seed=dp.seed
+    )
+    batches = sampler.schedule(dp.steps)
+    checked = identical = 0
     for t in emb["tables"]:
         param, plan = t["param"], t["plan"]
-        spec = specs[param]
+        spec = specs.get(param)
+        if spec is None:
+            report.add(
+                "embedding",
+                f"table {param} of the store is not a table of the job given",
+                newest.version,
+            )
+            continue
         sched = table_schedule(
             parts.data[spec.data_index][:, spec.column].numpy(), batches, int(t["rows"])
         )
@@ -430,11 +560,6 @@ def _check_embedding(
                 newest.version,
             )
             continue
-        ring_checked, ring_same = _check_table_ring(
-            ver, t, table_key(key, param), mechanism, std, rng, report
-        )
-        slots_checked += ring_checked
-        slots_identical += ring_same
         if plan["mode"] != "coalesced" or t.get("csc") is None:
             continue
         csc = CoalescedCSC.from_arrays(
@@ -493,15 +618,7 @@ def _check_embedding(
                 "the coalesced noise was altered or came from another key",
                 newest.version,
             )
-    report.checks["embedding"] = {
-        "tables": len(emb["tables"]),
-        "threat_model": emb["threat_model"],
-        "entries_recomputed": checked,
-        "bit_identical": identical,
-        "online_slots": slots_checked,
-        "online_slots_bit_identical": slots_identical,
-        "seed": seed,
-    }
+    report.checks["embedding"].update({"entries_recomputed": checked, "bit_identical": identical})
 
 
 def _check_table_ring(
@@ -538,9 +655,7 @@ def _check_table_ring(
 
 
 def _check_permissions(store: Store, report: AuditReport) -> None:
-    """Who besides the owner can read what: a path is exposed to group (others) when
-    it has the read bit for them and every folder from the store root down to it has
-    the search bit for them."""
+    """Who besides the owner can read what, following links (`cocoon_ckpt.exposure`)."""
     b = store.backend
     if not b.capabilities.permissions:
         report.info["readable_by"] = (
@@ -549,30 +664,17 @@ def _check_permissions(store: Store, report: AuditReport) -> None:
         )
         return
     root = b.path("")
-    classes = {"group": (stat.S_IRGRP, stat.S_IXGRP), "others": (stat.S_IROTH, stat.S_IXOTH)}
-    exposed: dict[str, list[str]] = {c: [] for c in classes}
-    checked = 0
-    searchable = {c: {root: bool(os.stat(root).st_mode & x)} for c, (_, x) in classes.items()}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in [*dirnames, *filenames]:
-            p = os.path.join(dirpath, name)
-            mode = os.lstat(p).st_mode
-            checked += 1
-            for c, (r, x) in classes.items():
-                reach = searchable[c][dirpath]
-                if name in dirnames:
-                    searchable[c][p] = reach and bool(mode & x)
-                if reach and mode & r:
-                    exposed[c].append(os.path.relpath(p, root))
-    st = os.stat(root)
+    found = walk_exposure(root)
+    exposed = found.exposed
     who = [f"{c} ({len(v)} paths)" for c, v in exposed.items() if v]
-    report.info["readable_by"] = f"owner uid {st.st_uid}" + (
+    report.info["readable_by"] = f"owner uid {os.stat(root).st_uid}" + (
         " and " + ", ".join(who) if who else " only"
     )
     report.checks["permissions"] = {
-        "paths": checked,
+        "paths": found.checked,
         "exposed_to_group": len(exposed["group"]),
         "exposed_to_others": len(exposed["others"]),
+        "links_out": len(found.links_out),
     }
     for c, paths in exposed.items():
         if paths:
@@ -580,8 +682,47 @@ def _check_permissions(store: Store, report: AuditReport) -> None:
             report.add(
                 "permissions",
                 f"{len(paths)} paths can be read by {c} (e.g. {shown}); the noise history "
-                f"and key undo the privacy to whoever reads them: chmod -R go-rwx {root}",
+                f"and key undo the privacy to whoever reads them: chmod -R go-rwx {root}"
+                + (" and each target of a link that leaves the store" if found.links_out else ""),
             )
+    if found.links_out:
+        shown = ", ".join(f"{a} -> {t}" for a, t in found.links_out[:3])
+        report.add(
+            "permissions",
+            f"{len(found.links_out)} links lead out of the store ({shown}): who can read "
+            "what they point to is decided outside the store; move the data into the store",
+        )
+
+
+def _job_parts(
+    job: str | Callable[..., JobParts] | None, config_record: dict[str, Any]
+) -> JobParts | None:
+    """The caller's job built with the store's config; None when none was given."""
+    if job is None:
+        return None
+    from .config import JobConfig
+
+    builder = resolve(job) if isinstance(job, str) else job
+    return builder(JobConfig.from_record(config_record))
+
+
+def _check_job_shapes(parts: JobParts, newest: Manifest, report: AuditReport) -> None:
+    shapes = {k: list(v.shape) for k, v in parts.model.state_dict().items()}
+    if shapes != newest.records.get("model_shapes"):
+        report.add(
+            "job",
+            "the job given builds a model of other shapes than the store records: it is "
+            "not this store's job, so the checks that use its data compare the wrong thing",
+            newest.version,
+        )
+
+
+def _guard(report: AuditReport, check: str, run: Callable[[], None]) -> None:
+    """Run one check; records of the wrong type or shape are a finding, never a crash."""
+    try:
+        run()
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        report.add(check, f"records cannot be checked ({type(exc).__name__}: {exc})")
 
 
 def audit_store(
@@ -592,8 +733,10 @@ def audit_store(
     seed: int | None = None,
     storage_options: dict[str, Any] | None = None,
     plot_dir: str | None = None,
+    job: str | Callable[..., JobParts] | None = None,
 ) -> AuditReport:
-    """Check everything a store claims (see the module docstring). Changes nothing.
+    """Check everything a store claims (see the module docstring). Changes nothing and
+    runs no code the store names.
 
     Args:
         url: store URL.
@@ -604,13 +747,19 @@ def audit_store(
             cannot be predicted; the report names it so a run can be repeated).
         storage_options: fsspec options.
         plot_dir: also write PNG plots there (see `cocoon_ckpt.plots`).
+        job: the job whose data the embedding schedule checks need, as a builder or
+            `example:NAME` / `module:function`; it is built with the store's config.
+            Without it those checks are skipped and listed in `AuditReport.skipped`.
 
     Raises:
         StoreNotFoundError: `url` holds no store.
         NoiseKeyError: no key in the store and none given, or an unreadable key file.
+        ValueError: coordinates or seed out of range.
     """
     if coordinates < 1:
         raise ValueError(f"coordinates={coordinates} must be >= 1")
+    if seed is not None and seed < 0:
+        raise ValueError(f"seed={seed} must be >= 0")
     store = Store.open(url, storage_options=storage_options, create=False)
     report = AuditReport(store=url)
     manifests = _check_chain(store, report)
@@ -619,21 +768,54 @@ def audit_store(
     newest = manifests[max(manifests)]
     rec = newest.records
     key = _load_audit_key(store, key_file, rec.get("key_location"))
-    _check_checksums(store, manifests, report)
-    _check_records(manifests, report)
+    bounds = _check_bounds(store, manifests, report)
+    _check_checksums(store, manifests, bounds, report)
+    _guard(report, "accountant", lambda: _check_records(manifests, bounds, report))
     seed = secrets.randbits(63) if seed is None else seed
-    try:
-        _check_noise(store, manifests, key, coordinates, seed, report)
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
-        report.add("noise", f"noise records cannot be read ({type(exc).__name__}: {exc})")
+    _guard(
+        report,
+        "noise",
+        lambda: _check_noise(store, manifests, bounds, key, coordinates, seed, report),
+    )
+    parts = None
+    if job is not None:
+        parts = _job_parts(job, rec["config"])
+        _check_job_shapes(parts, newest, report)
+        report.info["job"] = job if isinstance(job, str) else getattr(job, "__qualname__", "?")
     if rec.get("embedding") is not None:
-        try:
-            _check_embedding(store, newest, key, 4, seed, report)
-        except (KeyError, TypeError, ValueError, IndexError, CorruptVersionError) as exc:
-            report.add(
-                "embedding", f"embedding records cannot be checked ({type(exc).__name__}: {exc})"
+        if bounds[newest.version].embedding_ok:
+            _guard(
+                report,
+                "embedding",
+                lambda: _check_embedding(store, newest, key, 4, seed, report, parts),
+            )
+        else:
+            report.skipped.append(
+                "embedding: the newest version's embedding records are out of bounds (see "
+                "the bounds findings); nothing was recomputed"
             )
     _check_permissions(store, report)
+    _guard(report, "privacy", lambda: _privacy_info(store, newest, bounds, key_file, report))
+    if plot_dir is not None:
+        from .plots import write_plots
+
+        usable = {v: m for v, m in manifests.items() if bounds[v].noise_ok}
+        if usable:
+            skip = {m.arrays[n].path for v, m in usable.items() for n in bounds[v].unsafe}
+            report.plots = write_plots(store, usable, plot_dir, skip_paths=skip)
+        else:
+            report.skipped.append("plots: no version's records are within bounds")
+    return report
+
+
+def _privacy_info(
+    store: Store,
+    newest: Manifest,
+    bounds: dict[int, VersionBounds],
+    key_file: str | None,
+    report: AuditReport,
+) -> None:
+    rec = newest.records
     tm = rec.get("threat_model", THREAT_MODEL_DEFAULT)
     report.info.update(
         {
@@ -644,12 +826,28 @@ def audit_store(
                 if store.get_secret(KEY_SECRET) is not None
                 else f"not in the store (kept in a key file{'' if key_file else '?'})"
             ),
-            "epsilon": f"{rec['accountant'].get('epsilon')} at delta "
-            f"{rec['accountant'].get('delta')} after {newest.step} steps",
         }
     )
-    if plot_dir is not None:
-        from .plots import write_plots
-
-        report.plots = write_plots(store, manifests, plot_dir)
-    return report
+    if not bounds[newest.version].steps:
+        return
+    dp = rec["config"]["dp"]
+    method = str(rec["accountant"].get("method", "pld"))
+    eps = (
+        compute_epsilon(
+            float(dp["noise_multiplier"]),
+            int(dp["dataset_size"]),
+            int(dp["batch_size"]),
+            newest.step,
+            int(dp["bands"]),
+            float(dp["delta"]),
+            method,
+        )
+        if 0 < newest.step <= bounds[newest.version].steps
+        else 0.0
+    )
+    g = describe(rec, steps_done=newest.step, epsilon=eps, accounting_method=method)
+    report.info["epsilon"] = (
+        f"{eps} at delta {g['delta']} after {newest.step} of {g['steps_planned']} steps "
+        f"(recomputed from the config), under {g['neighbouring_relation']} adjacency"
+    )
+    report.info["privacy"] = g

@@ -17,13 +17,37 @@ from .mechanism import BandMF
 __all__ = ["write_plots"]
 
 
-def write_plots(store: Store, manifests: dict[int, Manifest], out_dir: str) -> list[str]:
+def _inverse_row_norms(coefficients: np.ndarray, horizon: int) -> np.ndarray:
+    """||row t of C^-1|| for t < horizon, in O(horizon b) time and O(horizon) memory.
+
+    C is lower-triangular banded Toeplitz, so C^-1 is lower-triangular Toeplitz with
+    first column u (forward substitution of C u = e_0); row t is u_t, ..., u_0.
+    """
+    c = np.asarray(coefficients, dtype=np.float64)
+    u = np.zeros(horizon)
+    for t in range(horizon):
+        acc = 1.0 if t == 0 else 0.0
+        for j in range(1, min(len(c), t + 1)):
+            acc -= c[j] * u[t - j]
+        u[t] = acc / c[0]
+    return np.sqrt(np.cumsum(u**2))
+
+
+def write_plots(
+    store: Store,
+    manifests: dict[int, Manifest],
+    out_dir: str,
+    *,
+    skip_paths: set[str] | frozenset[str] = frozenset(),
+) -> list[str]:
     """Write epsilon.png, noise_norm.png, history_tiers.png and checkpoint_sizes.png.
 
     Args:
         store: the open store.
-        manifests: its readable manifests by version.
+        manifests: its readable manifests by version, whose records are within the
+            config's bounds (`cocoon_ckpt.bounds`).
         out_dir: created if missing.
+        skip_paths: array paths never to read (out of bounds).
 
     Returns:
         The paths written.
@@ -74,6 +98,8 @@ def write_plots(store: Store, manifests: dict[int, Manifest], out_dir: str) -> l
         ver = Version(store, m)
         for shard in m.records["noise"]["shards"]:
             for _slot, step, name in shard["slots"]:
+                if m.arrays[name].path in skip_paths:
+                    continue
                 try:
                     seen[int(step)] = float(np.linalg.norm(ver.array(name).astype(np.float64)))
                 except (CorruptVersionError, KeyError):
@@ -83,8 +109,7 @@ def write_plots(store: Store, manifests: dict[int, Manifest], out_dir: str) -> l
     std = float(dp["noise_multiplier"]) * float(dp["max_grad_norm"])
     mech = BandMF.from_state_dict(rec["mechanism"])
     horizon = max([*seen, newest.step - 1, 0]) + 1
-    cinv = np.linalg.inv(mech.matrix(horizon))
-    expected = std * np.sqrt(dim) * np.sqrt((cinv**2).sum(axis=1))
+    expected = std * np.sqrt(dim) * _inverse_row_norms(mech.coefficients, horizon)
     ax.plot(range(horizon), expected, "-", label="expected ||w_t|| (std sqrt(m) ||C^-1 row||)")
     if seen:
         ks = sorted(seen)

@@ -16,7 +16,7 @@ import zarr
 from cocoon_ckpt import NoiseKeyError, run_job
 from cocoon_ckpt.audit import audit_store
 from cocoon_ckpt.catalog import collect_garbage, diff_versions, inspect_store
-from state import LeaseHeldError, Store, array_checksum
+from state import LeaseHeldError, Store, array_checksum, restamp
 
 from .conftest import job_config
 
@@ -49,11 +49,18 @@ def _manifests(root: Path) -> list[Path]:
     return sorted((root / "manifests").glob("*.json"))
 
 
-def _edit_manifests(root: Path, edit: Any) -> None:
+def _write_manifest(p: Path, doc: dict[str, Any]) -> None:
+    """Write an edited manifest as an attacker who recomputes its checksums would."""
+    p.write_bytes(restamp(doc))
+
+
+def _edit_manifests(root: Path, edit: Any, only: int | None = None) -> None:
+    """Apply `edit` to every manifest's document (or to version `only`'s), re-stamped."""
     for p in _manifests(root):
         doc = json.loads(p.read_text())
-        edit(doc)
-        p.write_text(json.dumps(doc, sort_keys=True, indent=1))
+        if only is None or doc["version"] == only:
+            edit(doc)
+            _write_manifest(p, doc)
 
 
 def _scale_with_valid_checksums(root: Path, path: str) -> None:
@@ -137,7 +144,7 @@ def test_manifest_from_another_job_is_found(store: Path, tmp_path: Path) -> None
     for meta in doc["arrays"].values():
         meta["path"] = meta["path"].replace(old_folder, new_folder)
     doc["version"], doc["parent"] = nxt, nxt - 1
-    (store / "manifests" / f"{nxt:08d}.json").write_text(json.dumps(doc))
+    _write_manifest(store / "manifests" / f"{nxt:08d}.json", doc)
     assert Store.open(str(store), create=False).latest().version == nxt  # it verifies
     report = audit_store(str(store), coordinates=8, seed=0)
     assert any("different job fingerprints" in f for f in _findings(report, "fingerprint"))
@@ -206,8 +213,8 @@ def test_coalesced_csc_is_recomputed_and_tampering_found(tmp_path: Path) -> None
     )
     run_job(cfg, str(root))
     before = _tree(root)
-    clean = audit_store(str(root), coordinates=64, seed=5)
-    assert clean.ok, clean.text()
+    clean = audit_store(str(root), coordinates=64, seed=5, job="example:dlrm")
+    assert clean.ok and not clean.skipped, clean.text()
     emb = clean.checks["embedding"]
     assert emb["entries_recomputed"] == emb["bit_identical"] > 0
     # the hot rows' online rings, regenerated from each table's key
@@ -218,7 +225,7 @@ def test_coalesced_csc_is_recomputed_and_tampering_found(tmp_path: Path) -> None
     m = json.loads(_manifests(root)[-1].read_text())
     name = next(n for n in m["arrays"] if n.endswith("csc/values"))
     _scale_with_valid_checksums(root, m["arrays"][name]["path"])
-    report = audit_store(str(root), coordinates=64, seed=5)
+    report = audit_store(str(root), coordinates=64, seed=5, job="example:dlrm")
     found = _findings(report, "embedding")
     assert found and "differ from the stored CSC" in found[0]
     assert not _findings(report, "checksums")
