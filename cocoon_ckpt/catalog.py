@@ -11,6 +11,7 @@ from typing import Any
 
 from state import CorruptVersionError, Manifest, Store
 
+from .guarantee import describe
 from .layout import KEY_SECRET, THREAT_MODEL_DEFAULT, THREAT_MODELS, array_kind
 
 __all__ = ["collect_garbage", "diff_versions", "inspect_store", "own_prefix", "placement"]
@@ -49,7 +50,8 @@ def _version_summary(m: Manifest) -> dict[str, Any]:
         "parent": m.parent,
         "created": m.created,
         "writer": m.writer,
-        "complete": bool(rec.get("complete")),
+        # derived, never the stored flag (I7): audit reports a flag that disagrees
+        "complete": m.step == _planned_steps(rec),
         "epsilon": rec.get("accountant", {}).get("epsilon"),
         "delta": rec.get("accountant", {}).get("delta"),
         "threat_model": rec.get("threat_model", THREAT_MODEL_DEFAULT),
@@ -62,6 +64,11 @@ def _version_summary(m: Manifest) -> dict[str, Any]:
         "history_bytes": noise.get("history_bytes"),
         "embedding": _embedding_summary(rec.get("embedding")),
     }
+
+
+def _planned_steps(rec: dict[str, Any]) -> int | None:
+    steps = rec.get("config", {}).get("dp", {}).get("steps")
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
 def _embedding_summary(emb: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -151,6 +158,17 @@ def inspect_store(
                 rec.get("threat_model", THREAT_MODEL_DEFAULT), "unknown threat model"
             ),
         }
+        try:
+            acc = rec.get("accountant", {})
+            # the recorded epsilon: inspect reads manifests only; audit recomputes it
+            out["job"]["guarantee"] = describe(
+                rec,
+                steps_done=last.step,
+                epsilon=acc.get("epsilon"),
+                accounting_method=str(acc.get("method", "pld")),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError):
+            out["job"]["guarantee"] = None  # malformed records: `audit` says what is wrong
         if version is not None:
             out["config"] = rec.get("config")
             out["arrays"] = {

@@ -31,7 +31,7 @@ def _tree(root: Path) -> dict[str, str]:
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def clean_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("audit") / "s.zarr"
     run_job(job_config("mlp", bands=4, steps=16, keep_last=3), str(root))
