@@ -3,27 +3,43 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from state import (
-    CorruptVersionError,
     FormatVersionError,
     StoreError,
     StoreNotFoundError,
     VersionNotFoundError,
 )
 
-from .config import DPConfig, JobConfig
-from .errors import CocoonError, ConfigMismatchError, NoiseKeyError
+from .config import DPConfig, JobConfig, section_from_record
+from .errors import CocoonError, ConfigError, NoiseKeyError, PreemptedError
 from .mechanism import MechanismKind
 from .tiers.config import TierConfig
 
 __all__ = ["main"]
+
+_LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit 2), like every other error of the CLI."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"cocoon-ckpt: error: {message}; see {self.prog} --help\n")
+
+
+def _log_level(value: str) -> str:
+    if value.upper() not in _LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{value!r} is not one of {', '.join(_LOG_LEVELS)}")
+    return value.upper()
 
 
 def _add_storage_options(p: argparse.ArgumentParser) -> None:
@@ -36,17 +52,35 @@ def _add_storage_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+#: Types of the fsspec options users pass most (s3fs, gcsfs, adlfs): a string "false"
+#: for `anon` would be truthy and silently change who the store is accessed as.
+_OPTION_TYPES: dict[str, tuple[type, ...]] = {
+    **dict.fromkeys(("anon", "use_ssl", "skip_instance_cache", "use_listings_cache"), (bool,)),
+    **dict.fromkeys(("requester_pays", "version_aware", "auto_mkdir"), (bool,)),
+    **dict.fromkeys(("endpoint_url", "key", "secret", "token", "profile"), (str,)),
+    **dict.fromkeys(("region_name", "account_name", "account_key", "project"), (str,)),
+    **dict.fromkeys(("client_kwargs", "config_kwargs", "s3_additional_kwargs"), (dict,)),
+}
+
+
 def _storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.storage_options is None:
         return None
     try:
         opts = json.loads(args.storage_options)
     except json.JSONDecodeError as exc:
-        raise ValueError(
+        raise ConfigError(
             f"--storage-options is not valid JSON ({exc}); pass a JSON object"
         ) from None
     if not isinstance(opts, dict):
-        raise ValueError("--storage-options must be a JSON object, e.g. '{\"anon\": false}'")
+        raise ConfigError("--storage-options must be a JSON object, e.g. '{\"anon\": false}'")
+    for k, v in opts.items():
+        types = _OPTION_TYPES.get(k)
+        if types is not None and not isinstance(v, types):
+            raise ConfigError(
+                f"--storage-options: {k}={json.dumps(v)} must be a JSON "
+                f"{'/'.join({bool: 'boolean', str: 'string', dict: 'object'}[t] for t in types)}"
+            )
     return opts
 
 
@@ -183,11 +217,17 @@ def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p = sub.add_parser(
         "export",
         help="write the final model (no noise state) and a privacy report",
-        description="Write the completed job's model state_dict to OUT (torch.save) and "
-        "its privacy report to OUT.privacy.json. No noise key or history is exported.",
+        description="Write the finished job's model state_dict to OUT (torch.save) and "
+        "its privacy report to OUT.privacy.json, both or neither. Finished means the "
+        "verified step count equals the config's; epsilon is recomputed from the config. "
+        "No noise key or history is exported.",
     )
     p.add_argument("url", help="store URL")
-    p.add_argument("--out", required=True, help="output file for the state_dict")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="new output file for the state_dict, outside the store, in an existing folder",
+    )
     _add_storage_options(p)
     p.add_argument("--json", action="store_true", help="print the privacy report as JSON")
 
@@ -236,6 +276,20 @@ def _add_audit(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="seed of the coordinate choice (default: random, printed, so a run can be repeated)",
     )
     p.add_argument("--plot", default=None, metavar="DIR", help="also write PNG plots to DIR")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
+        "--job",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="the job whose data the embedding schedule checks need (audit never runs the "
+        "job a store names; without --job/--example those checks are skipped and listed)",
+    )
+    which.add_argument(
+        "--example",
+        choices=["mlp", "dlrm"],
+        default=None,
+        help="a built-in example job, for the same checks",
+    )
     _add_storage_options(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
@@ -337,12 +391,19 @@ def _chaos(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="cocoon-ckpt",
         description="Differentially private training with correlated noise that can crash "
         "anywhere and resume exactly.",
     )
-    p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    p.add_argument(
+        "--log-level",
+        default="WARNING",
+        type=_log_level,
+        metavar="LEVEL",
+        help=f"logging level: {', '.join(_LOG_LEVELS)} (default WARNING; DEBUG also prints "
+        "the traceback of an unexpected error)",
+    )
     sub = p.add_subparsers(dest="command", required=True)
     _add_train(sub)
     _add_export(sub)
@@ -375,11 +436,11 @@ def _read_config_file(path: str) -> dict[str, Any]:
         with open(path) as f:
             doc = json.load(f)
     except OSError as exc:
-        raise ValueError(f"--config {path}: cannot read it ({exc.strerror})") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--config {path}: not valid JSON ({exc})") from None
+        raise ConfigError(f"--config {path}: cannot read it ({exc.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--config {path}: not valid JSON ({exc})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("dp"), dict):
-        raise ValueError(
+        raise ConfigError(
             f"--config {path}: must be a JSON object with 'job' and a 'dp' object, as the "
             "'config' that `cocoon-ckpt inspect URL --version V --json` prints"
         )
@@ -392,28 +453,32 @@ def _tiers(args: argparse.Namespace) -> TierConfig | None:
     try:
         rec = json.loads(args.tiers)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"--tiers is not valid JSON ({exc}); pass a JSON object") from None
+        raise ConfigError(f"--tiers is not valid JSON ({exc}); pass a JSON object") from None
     if not isinstance(rec, dict):
-        raise ValueError("--tiers must be a JSON object, e.g. '{\"host_bytes\": 1073741824}'")
+        raise ConfigError("--tiers must be a JSON object, e.g. '{\"host_bytes\": 1073741824}'")
     try:
-        return TierConfig.from_record(rec)
-    except TypeError as exc:
-        raise ValueError(
-            f"--tiers: {exc}; fields are those of cocoon_ckpt.tiers.TierConfig"
-        ) from None
+        return section_from_record(TierConfig, rec, "--tiers")
+    except (TypeError, ValueError) as exc:
+        msg = str(exc)
+        raise ConfigError(msg if msg.startswith("--tiers") else f"--tiers: {msg}") from None
 
 
 def _train_config(args: argparse.Namespace) -> tuple[JobConfig, str]:
+    if args.store is not None and not args.store.strip():
+        raise ConfigError(
+            "Expected --store='' to name a store: a local path, memory://NAME or s3://BUCKET/PATH"
+        )
     given = [k for k in _TRAIN_FLAGS if getattr(args, k) is not None]
     if args.config is not None:
         given += [k for k in _EMBEDDING_FLAGS if getattr(args, k) is not None]
         if given or args.example or args.job:
             flags = ", ".join("--" + k.replace("_", "-") for k in given) or "--example/--job"
-            raise ValueError(f"--config sets the whole job; drop {flags} or drop --config")
+            raise ConfigError(f"--config sets the whole job; drop {flags} or drop --config")
         rec = _read_config_file(args.config)
         if args.checkpoint_every is not None:
             rec["checkpoint_every"] = args.checkpoint_every
-        rec["async_checkpoint"] = not args.sync_checkpoints
+        if args.sync_checkpoints:
+            rec["async_checkpoint"] = False
         if args.overlap_noise:
             rec["overlap_noise"] = True
         tiers = _tiers(args)
@@ -421,8 +486,8 @@ def _train_config(args: argparse.Namespace) -> tuple[JobConfig, str]:
             rec["tiers"] = tiers.to_record()
         try:
             config = JobConfig.from_record(rec)
-        except (TypeError, KeyError) as exc:
-            raise ValueError(f"--config {args.config}: {exc}") from None
+        except (TypeError, KeyError, ValueError) as exc:
+            raise ConfigError(f"--config {args.config}: {exc}") from None
         name = config.job.partition(":")[2] if config.job.startswith("example:") else "job"
         return config, args.store or f"runs/{name}.zarr"
     v = {
@@ -546,9 +611,13 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .job import export_model
+    from .export import ExportPathError, export_model
 
-    report = export_model(args.url, args.out, storage_options=_storage_options(args))
+    try:
+        report = export_model(args.url, args.out, storage_options=_storage_options(args))
+    except ExportPathError as exc:  # a wrong --out is a usage error: exit 2, not 1
+        print(f"cocoon-ckpt: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(report))
     else:
@@ -629,6 +698,7 @@ def _audit(args: argparse.Namespace) -> int:
         seed=args.seed,
         storage_options=_storage_options(args),
         plot_dir=args.plot,
+        job=f"example:{args.example}" if args.example else args.job,
     )
     print(json.dumps(report.as_json()) if args.json else report.text())
     return 0 if report.ok else 1
@@ -674,17 +744,69 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 #: Errors that mean the input was wrong (exit 2), not that a valid request was refused.
-_USAGE_ERRORS = (StoreNotFoundError, FormatVersionError, VersionNotFoundError, NoiseKeyError)
+_USAGE_ERRORS = (
+    ConfigError,
+    NoiseKeyError,
+    StoreNotFoundError,  # and NotAStoreError: a file, a user folder, a plain zarr group
+    FormatVersionError,
+    VersionNotFoundError,
+)
+#: OS errors about a path the user named (exit 2): missing, not a folder, too long.
+_PATH_ERRNOS = frozenset(
+    {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG, errno.ELOOP, errno.EACCES}
+)
+#: botocore errors (by name: s3fs is optional) that mean missing or wrong credentials.
+_CREDENTIAL_ERRORS = frozenset({"NoCredentialsError", "PartialCredentialsError"})
+
+
+def _botocore_error(exc: BaseException) -> str | None:
+    """The botocore class name of `exc` (or of the error it wraps), else None."""
+    for e in (exc, exc.__cause__, exc.__context__):
+        if e is not None and type(e).__module__.startswith("botocore"):
+            return type(e).__name__
+    return None
 
 
 def _exit_code(exc: BaseException) -> int:
-    if isinstance(exc, (CorruptVersionError, ConfigMismatchError)):
-        return 1  # a valid request the store or job refused
+    """0 ok; 1 a valid request the job or store refused (or an environment failure);
+    2 a usage error; 128 + N stopped by signal N (130 Ctrl-C, 143 SIGTERM)."""
+    if isinstance(exc, PreemptedError):
+        return 128 + exc.signum
+    if isinstance(exc, KeyboardInterrupt):
+        return 130
     if isinstance(exc, _USAGE_ERRORS):
         return 2
     if isinstance(exc, (CocoonError, StoreError)):
         return 1
-    return 2 if isinstance(exc, ValueError) else 1
+    if isinstance(exc, ValueError):
+        return 2
+    if isinstance(exc, OSError) and exc.errno in _PATH_ERRNOS:
+        return 2
+    if _botocore_error(exc) in _CREDENTIAL_ERRORS:
+        return 2
+    return 1
+
+
+def _message(exc: BaseException) -> str:
+    """One line saying what went wrong and, where we know it, what to do."""
+    name = _botocore_error(exc)
+    if name in _CREDENTIAL_ERRORS:
+        return (
+            f"no usable S3 credentials ({exc}); set AWS_ACCESS_KEY_ID and "
+            'AWS_SECRET_ACCESS_KEY (or a profile), or pass "key"/"secret" in '
+            "--storage-options"
+        )
+    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError"):
+        return f"cannot reach the storage endpoint ({exc}); check endpoint_url in --storage-options"
+    if isinstance(exc, OSError) and exc.strerror and exc.filename is not None:
+        path = str(exc.filename)
+        path = path if len(path) <= 120 else path[:60] + "..." + path[-40:]
+        return f"{path}: {exc.strerror}"
+    text = str(exc) or type(exc).__name__
+    if not isinstance(exc, (CocoonError, StoreError, ValueError, OSError)):
+        # not one of ours: name the class, and where the details are
+        text = f"{type(exc).__name__}: {text} (--log-level DEBUG prints the traceback)"
+    return " ".join(text.split())  # one line, whatever the message holds
 
 
 _COMMANDS = {
@@ -700,20 +822,46 @@ _COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point. Exit codes: 0 ok; 1 the job or store refused, or audit findings;
-    2 usage errors (bad arguments, not a store, a newer format, a missing version or key)."""
+    2 usage errors (bad arguments, not a store, a newer format, a missing version or
+    key); 130 / 143 stopped by SIGINT / SIGTERM (after a checkpoint, when training)."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+        return code
+    except BrokenPipeError:
+        # `cocoon-ckpt inspect URL | head`: the reader left; say nothing more
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141  # 128 + SIGPIPE, as the shell reports a process the pipe ended
+    except KeyboardInterrupt as exc:
+        print("cocoon-ckpt: interrupted", file=sys.stderr)
+        return _exit_code(exc)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error already printed
+        return exc.code if isinstance(exc.code, int) else 2
     # Crash points for kill tests (COCOON_CRASH_AT); nothing is armed without it.
     if os.environ.get("COCOON_CRASH_AT"):
         from fault_injection.crash import arm_from_env
 
         arm_from_env()
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     try:
         return _COMMANDS[args.command](args)
-    except (CocoonError, StoreError, ValueError, OSError) as exc:
-        msg = " ".join(str(exc).split())  # one line, whatever the message holds
-        print(f"cocoon-ckpt: error: {msg}", file=sys.stderr)
+    except (BrokenPipeError, KeyboardInterrupt):
+        raise
+    except PreemptedError as exc:
+        print(f"cocoon-ckpt: {_message(exc)}", file=sys.stderr)
+        return _exit_code(exc)
+    except Exception as exc:
+        if args.log_level == "DEBUG":
+            traceback.print_exc()
+        print(f"cocoon-ckpt: error: {_message(exc)}", file=sys.stderr)
         return _exit_code(exc)
 
 

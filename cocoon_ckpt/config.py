@@ -5,21 +5,33 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from . import _validate as valid
 from .embedding.config import EmbeddingConfig
-from .errors import ConfigMismatchError
+from .errors import ConfigError, ConfigMismatchError
 from .mechanism import MechanismKind
 from .tiers.config import TierConfig
 
-__all__ = ["HARMLESS_FIELDS", "DPConfig", "JobConfig", "config_differences", "fingerprint"]
+__all__ = [
+    "HARMLESS_FIELDS",
+    "DPConfig",
+    "JobConfig",
+    "config_differences",
+    "fingerprint",
+    "section_from_record",
+]
+
+_S = TypeVar("_S")
 
 #: Fields a resume may change: they affect neither the noise nor the parameters.
 HARMLESS_FIELDS = frozenset(
     {"checkpoint_every", "keep_last", "async_checkpoint", "log_level", "tile_rows", "overlap_noise"}
 )
+_MECHANISMS = tuple(m.value for m in MechanismKind)
+_LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "NOTSET")
+
 #: Whole sections a resume may change: where the history lives never changes the noise.
 HARMLESS_SECTIONS = frozenset({"tiers"})
 
@@ -48,37 +60,31 @@ class DPConfig:
     """Sampler and model-initialisation seed (not the noise key, which is secret)."""
 
     def __post_init__(self) -> None:
-        def need(ok: bool, name: str, why: str) -> None:
-            if not ok:
-                raise ValueError(f"DPConfig.{name}={getattr(self, name)!r}: {why}")
-
-        need(isinstance(self.steps, int) and self.steps >= 1, "steps", "must be an integer >= 1")
-        need(isinstance(self.bands, int) and self.bands >= 1, "bands", "must be an integer >= 1")
-        need(self.bands <= self.steps, "bands", f"must be <= steps={self.steps}")
-        need(
-            isinstance(self.batch_size, int) and self.batch_size >= 1, "batch_size", "must be >= 1"
+        valid.integer("DPConfig.steps", self.steps, 1, valid.MAX_STEPS)
+        valid.integer("DPConfig.bands", self.bands, 1, valid.MAX_STEPS)
+        valid.check(
+            self.bands <= self.steps, "DPConfig.bands", self.bands, f"be <= steps={self.steps}"
         )
-        need(
-            isinstance(self.dataset_size, int) and self.dataset_size >= 1,
-            "dataset_size",
-            "must be >= 1",
-        )
-        need(
+        valid.integer("DPConfig.dataset_size", self.dataset_size, 1, valid.MAX_COUNT)
+        valid.integer("DPConfig.batch_size", self.batch_size, 1, valid.MAX_COUNT)
+        valid.check(
             self.batch_size * self.bands <= self.dataset_size,
-            "batch_size",
-            f"batch_size * bands must be <= dataset_size={self.dataset_size}",
+            "DPConfig.batch_size",
+            self.batch_size,
+            f"satisfy batch_size * bands <= dataset_size={self.dataset_size} (bands="
+            f"{self.bands}: the data is split into b partitions of N / b examples)",
         )
-        need(
-            self.noise_multiplier > 0 and math.isfinite(self.noise_multiplier),
-            "noise_multiplier",
-            "must be finite and > 0",
+        valid.positive_real("DPConfig.noise_multiplier", self.noise_multiplier)
+        valid.positive_real("DPConfig.max_grad_norm", self.max_grad_norm)
+        valid.real_between("DPConfig.delta", self.delta, 0.0, 1.0)
+        # seed + 1 seeds the examples' data; numpy wants a non-negative seed
+        valid.integer("DPConfig.seed", self.seed, 0, 2**63 - 2)
+        valid.check(
+            self.mechanism in _MECHANISMS,
+            "DPConfig.mechanism",
+            self.mechanism,
+            f"be one of {_MECHANISMS}",
         )
-        need(
-            self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm),
-            "max_grad_norm",
-            "must be finite and > 0",
-        )
-        need(0 < self.delta < 1, "delta", "must lie in (0, 1)")
         object.__setattr__(self, "mechanism", MechanismKind(self.mechanism))
 
     def to_record(self) -> dict[str, Any]:
@@ -88,7 +94,8 @@ class DPConfig:
 
     @classmethod
     def from_record(cls, d: dict[str, Any]) -> DPConfig:
-        return cls(**d)
+        """The config a record describes (ConfigError naming a missing or unknown field)."""
+        return cls(**_fields(cls, d, "dp"))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -124,18 +131,45 @@ class JobConfig:
     parameter, tables included, gets the dense mechanism over one flat vector."""
 
     def __post_init__(self) -> None:
-        if self.optimizer not in ("sgd", "adam"):
-            raise ValueError(f"JobConfig.optimizer={self.optimizer!r}: must be 'sgd' or 'adam'")
-        if not self.lr > 0:
-            raise ValueError(f"JobConfig.lr={self.lr!r}: must be > 0")
-        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 1:
-            raise ValueError(f"JobConfig.checkpoint_every={self.checkpoint_every!r}: must be >= 1")
-        if self.keep_last < 2:
-            raise ValueError(f"JobConfig.keep_last={self.keep_last!r}: must be >= 2")
-        if ":" not in self.job:
-            raise ValueError(
-                f"JobConfig.job={self.job!r}: must be 'example:NAME' or 'module:function'"
-            )
+        valid.text("JobConfig.job", self.job)
+        valid.check(
+            ":" in self.job,
+            "JobConfig.job",
+            self.job,
+            "be 'example:NAME' or 'module:function'",
+        )
+        valid.check(isinstance(self.dp, DPConfig), "JobConfig.dp", self.dp, "be a DPConfig")
+        valid.positive_real("JobConfig.lr", self.lr)
+        valid.text("JobConfig.optimizer", self.optimizer, ("sgd", "adam"))
+        valid.check(
+            isinstance(self.options, dict) and all(isinstance(k, str) for k in self.options),
+            "JobConfig.options",
+            self.options,
+            "be a JSON object (a dict with string keys)",
+        )
+        valid.integer("JobConfig.checkpoint_every", self.checkpoint_every, 1, valid.MAX_STEPS)
+        valid.integer("JobConfig.keep_last", self.keep_last, 2, valid.MAX_COUNT)
+        valid.boolean("JobConfig.async_checkpoint", self.async_checkpoint)
+        valid.boolean("JobConfig.overlap_noise", self.overlap_noise)
+        valid.text("JobConfig.log_level", self.log_level)
+        valid.check(
+            self.log_level.upper() in _LOG_LEVELS,
+            "JobConfig.log_level",
+            self.log_level,
+            f"be one of {_LOG_LEVELS}",
+        )
+        valid.check(
+            self.tiers is None or isinstance(self.tiers, TierConfig),
+            "JobConfig.tiers",
+            self.tiers,
+            "be a TierConfig or None",
+        )
+        valid.check(
+            self.embedding is None or isinstance(self.embedding, EmbeddingConfig),
+            "JobConfig.embedding",
+            self.embedding,
+            "be an EmbeddingConfig or None",
+        )
 
     def to_record(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -147,13 +181,57 @@ class JobConfig:
 
     @classmethod
     def from_record(cls, d: dict[str, Any]) -> JobConfig:
-        d = dict(d)
+        """The config a record describes (a JSON object as `to_record` writes it).
+
+        Raises:
+            ConfigError: a field is missing, unknown, of the wrong type or out of range.
+        """
+        d = _fields(cls, d, "config")
         d["dp"] = DPConfig.from_record(d["dp"])
         if d.get("tiers") is not None:
-            d["tiers"] = TierConfig.from_record(d["tiers"])
+            d["tiers"] = section_from_record(TierConfig, d["tiers"], "tiers")
         if d.get("embedding") is not None:
-            d["embedding"] = EmbeddingConfig.from_record(d["embedding"])
+            d["embedding"] = section_from_record(EmbeddingConfig, d["embedding"], "embedding")
         return cls(**d)
+
+
+def section_from_record(cls: type[_S], record: Any, where: str) -> _S:
+    """A TierConfig or EmbeddingConfig from its JSON record; `where` names it in errors.
+
+    Raises:
+        ConfigError: the record is not an object, has an unknown or missing field, or a
+            value its class refuses.
+    """
+    d = _fields(cls, record, where)
+    try:
+        return cls.from_record(d)  # type: ignore[attr-defined, no-any-return]
+    except ConfigError:
+        raise
+    except (TypeError, KeyError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _fields(cls: type, d: Any, where: str) -> dict[str, Any]:
+    """`d` as keyword arguments of dataclass `cls`: a JSON object with every required
+    field and no unknown one."""
+    valid.check(isinstance(d, dict), where, d, "be a JSON object")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown field(s) {', '.join(map(str, unknown))}; the fields are "
+            f"those of {cls.__name__}: {', '.join(fields)}"
+        )
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in d
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"{where}: missing field(s) {', '.join(missing)} of {cls.__name__}")
+    return dict(d)
 
 
 def _flat(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 __all__ = [
     "CocoonError",
+    "ConfigError",
     "ConfigMismatchError",
     "GeneratorMismatchError",
     "NoiseKeyError",
+    "PreemptedError",
     "PrivacyBudgetError",
     "StateSchemaError",
     "UnsupportedModelError",
@@ -15,6 +17,11 @@ __all__ = [
 
 class CocoonError(Exception):
     """Base of every error cocoon_ckpt raises (store errors come from `state`)."""
+
+
+class ConfigError(CocoonError, ValueError):
+    """A configuration value is of the wrong type or out of range (refused before anything
+    is written)."""
 
 
 class ConfigMismatchError(CocoonError, ValueError):
@@ -35,6 +42,24 @@ class GeneratorMismatchError(CocoonError, RuntimeError):
 
 class NoiseKeyError(CocoonError, PermissionError):
     """The noise key is missing, unreadable or does not match the store."""
+
+
+class PreemptedError(CocoonError):
+    """The job was stopped by a signal (SIGTERM, SIGINT) after a checkpoint of the step it
+    finished; rerunning it resumes from there.
+
+    Attributes:
+        signum: the signal that stopped it.
+        step: steps done when it stopped (None: it stopped before training began, or
+            between steps without a checkpoint).
+        version: the newest committed version (None when none was written).
+    """
+
+    def __init__(self, message: str, *, signum: int, step: int | None, version: int | None) -> None:
+        super().__init__(message)
+        self.signum = signum
+        self.step = step
+        self.version = version
 
 
 class PrivacyBudgetError(CocoonError, ValueError):

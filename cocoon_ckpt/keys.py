@@ -1,0 +1,124 @@
+"""The noise key's one home: where it lives, how it is read, made and named.
+
+The key is 32 secret bytes; whoever holds it (and the stored history) can subtract the
+noise (I6). It lives either in the store (`secret/noise.key`, 0600 in a 0700 folder) or,
+with `key_file`, in a file of the user's that must be readable by its owner only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import stat
+
+from state import Store
+
+from .errors import NoiseKeyError
+from .layout import KEY_SECRET
+
+__all__ = [
+    "KEY_BYTES",
+    "create_key_file",
+    "key_id",
+    "key_location",
+    "load_key",
+    "new_key",
+    "read_key_file",
+    "save_key",
+]
+
+KEY_BYTES = 32
+
+
+def key_id(key: bytes) -> str:
+    """A public id of the noise key (keyed hash): tells keys apart, reveals nothing."""
+    return hashlib.blake2b(b"cocoon-key-id", key=key, digest_size=8).hexdigest()
+
+
+def new_key() -> bytes:
+    """A fresh random key (not yet stored anywhere: see `save_key`)."""
+    return secrets.token_bytes(KEY_BYTES)
+
+
+def key_location(key_file: str | None) -> str:
+    """What a version records as the key's location."""
+    return "key_file" if key_file else f"store:secret/{KEY_SECRET}"
+
+
+def read_key_file(path: str) -> bytes:
+    """The key in `path`, which must be a 32-byte file readable by its owner only.
+
+    Raises:
+        NoiseKeyError: the file is missing or unreadable, readable by group or others,
+            or not 32 bytes.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not hang us
+    except OSError as exc:
+        raise NoiseKeyError(
+            f"cannot read key file {path} ({exc.strerror}); pass the job's key file"
+        ) from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())  # the file opened, not whatever the name points to now
+        if not stat.S_ISREG(st.st_mode):
+            raise NoiseKeyError(f"key file {path} is not a regular file; pass the job's key file")
+        if st.st_mode & 0o077:
+            raise NoiseKeyError(
+                f"key file {path} is readable by group or others (mode "
+                f"{stat.S_IMODE(st.st_mode):04o}); whoever reads it can remove the noise. "
+                f"Run: chmod 600 {path}"
+            )
+        key = f.read(KEY_BYTES + 1)
+    if len(key) != KEY_BYTES:
+        raise NoiseKeyError(f"key file {path} holds {len(key)} bytes, not a {KEY_BYTES}-byte key")
+    return key
+
+
+def load_key(store: Store, key_file: str | None) -> bytes:
+    """The key of an existing job: from `key_file` when given, else the store's secret.
+
+    Raises:
+        NoiseKeyError: the key is not there (the message says to pass --key-file), or
+            the key file is refused (see `read_key_file`).
+    """
+    if key_file is not None:
+        return read_key_file(key_file)
+    key = store.get_secret(KEY_SECRET)
+    if key is None:
+        raise NoiseKeyError(
+            f"{store.url} has no noise key (secret/{KEY_SECRET}); it was kept in a key "
+            "file: pass --key-file / key_file="
+        )
+    if len(key) != KEY_BYTES:
+        raise NoiseKeyError(
+            f"{store.url}: secret/{KEY_SECRET} holds {len(key)} bytes, not a {KEY_BYTES}-byte "
+            "key; the store's key is damaged"
+        )
+    return key
+
+
+def create_key_file(path: str, key: bytes) -> None:
+    """Write `key` to a new file `path`, 0600 (never overwrites: O_EXCL), fsynced."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        with os.fdopen(fd, "wb") as f:
+            fd = -1
+            f.write(key)
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        if fd != -1:
+            os.close(fd)
+
+
+def save_key(store: Store, key_file: str | None, key: bytes) -> None:
+    """Keep a new job's key: in a new `key_file`, or as the store's secret.
+
+    A key file that already exists is left as it is (it holds `key`: the caller read it).
+    """
+    if key_file is None:
+        store.put_secret(KEY_SECRET, key)
+    elif not os.path.exists(key_file):
+        create_key_file(key_file, key)
