@@ -6,6 +6,9 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
+import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,8 @@ import zarr
 from cocoon_ckpt import NoiseKeyError, run_job
 from cocoon_ckpt.audit import audit_store
 from cocoon_ckpt.catalog import collect_garbage, diff_versions, inspect_store
+from cocoon_ckpt.cli import main
+from cocoon_ckpt.config import fingerprint
 from state import LeaseHeldError, Store, array_checksum, restamp
 
 from .conftest import job_config
@@ -199,12 +204,11 @@ def test_inspect_diff_gc(store: Path) -> None:
         collect_garbage(str(store), keep=1)
 
 
-def test_coalesced_csc_is_recomputed_and_tampering_found(tmp_path: Path) -> None:
-    """A coalesced store: audit rebuilds the schedule from the job, recomputes random cold
-    rows' entries from the key bit for bit; a CSC altered with valid checksums is found."""
+@pytest.fixture(scope="module")
+def emb_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from cocoon_ckpt.embedding import EmbeddingConfig
 
-    root = tmp_path / "emb.zarr"
+    root = tmp_path_factory.mktemp("emb") / "emb.zarr"
     cfg = job_config(
         "dlrm",
         bands=4,
@@ -212,6 +216,14 @@ def test_coalesced_csc_is_recomputed_and_tampering_found(tmp_path: Path) -> None
         embedding=EmbeddingConfig(mode="coalesced", threat_model="final_model", hot_threshold=2),
     )
     run_job(cfg, str(root))
+    return root
+
+
+def test_coalesced_csc_is_recomputed_and_tampering_found(emb_store: Path, tmp_path: Path) -> None:
+    """A coalesced store: audit rebuilds the schedule from the job, recomputes random cold
+    rows' entries from the key bit for bit; a CSC altered with valid checksums is found."""
+    root = tmp_path / "emb.zarr"
+    shutil.copytree(emb_store, root)
     before = _tree(root)
     clean = audit_store(str(root), coordinates=64, seed=5, job="example:dlrm")
     assert clean.ok and not clean.skipped, clean.text()
@@ -234,3 +246,114 @@ def test_coalesced_csc_is_recomputed_and_tampering_found(tmp_path: Path) -> None
     _scale_with_valid_checksums(root, m["arrays"][ring]["path"])
     report = audit_store(str(root), coordinates=64, seed=5)
     assert any("online ring slot" in f for f in _findings(report, "embedding"))
+
+
+_MARKER_JOB = """
+import os
+from pathlib import Path
+
+Path(os.environ["MARKER_DIR"], "imported").write_text("the store's job ran")
+
+
+def build(config):
+    from cocoon_ckpt.jobs.dlrm import build as dlrm
+
+    Path(os.environ["MARKER_DIR"], "built").write_text("the job was built")
+    return dlrm(config)
+"""
+
+
+def test_audit_never_runs_the_job_a_store_names(
+    emb_store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's config names a module on the path that writes a marker when imported:
+    audit skips the checks that need the job and says so; only a job the user names runs."""
+    root = tmp_path / "emb.zarr"
+    shutil.copytree(emb_store, root)
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "marker_job.py").write_text(_MARKER_JOB)
+    monkeypatch.syspath_prepend(str(code))
+    monkeypatch.setenv("MARKER_DIR", str(tmp_path))
+
+    def rename(doc: dict[str, Any]) -> None:
+        rec = doc["records"]
+        rec["config"]["job"] = "marker_job:build"
+        rec["fingerprint"] = doc["job_fingerprint"] = fingerprint(
+            rec["config"], rec["model_shapes"]
+        )
+
+    _edit_manifests(root, rename)
+    report = audit_store(str(root), coordinates=16, seed=1)
+    assert not (tmp_path / "imported").exists() and not (tmp_path / "built").exists()
+    assert report.ok, report.text()  # skipping is not a finding
+    (skipped,) = report.skipped
+    assert "marker_job:build" in skipped and "--job" in skipped and "--example" in skipped
+    assert "entries_recomputed" not in report.checks["embedding"]
+    assert report.checks["embedding"]["online_slots_bit_identical"] > 0  # no job needed
+    assert "SKIPPED" in report.text()
+    # named by the user, it runs, and the schedule checks with it
+    ran = audit_store(str(root), coordinates=16, seed=1, job="marker_job:build")
+    assert (tmp_path / "built").read_text() == "the job was built"
+    emb = ran.checks["embedding"]
+    assert ran.ok and not ran.skipped and emb["entries_recomputed"] == emb["bit_identical"] > 0
+
+
+def _newest(root: Path) -> int:
+    return int(json.loads(_manifests(root)[-1].read_text())["version"])
+
+
+@pytest.mark.parametrize("forge", ["label", "shape"])
+def test_forged_label_or_shape_is_found_before_any_work(
+    store: Path, forge: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ring slot labelled step 10^12 (audit would regenerate 10^12 steps), or an array
+    recorded as 10^12 floats (reading it allocates 4 TB): a bounds finding, fast."""
+
+    def edit(doc: dict[str, Any]) -> None:
+        shard = doc["records"]["noise"]["shards"][0]
+        name = shard["slots"][0][2]
+        if forge == "label":
+            shard["slots"][0][1] = 10**12
+        else:
+            doc["arrays"][name]["shape"] = [10**12]
+
+    _edit_manifests(store, edit, only=_newest(store))
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    report = audit_store(str(store), coordinates=64, seed=0)
+    elapsed = time.perf_counter() - t0
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    found = _findings(report, "bounds")
+    assert found and ("outside [13, 16)" in found[0] if forge == "label" else "allows" in found[0])
+    assert elapsed < 5 and peak < 64 << 20, (elapsed, peak)
+    assert report.checks["noise"]["slots"] > 0  # the other versions' slots still checked
+    assert main(["audit", str(store), "--coordinates", "8", "--seed", "0"]) == 1
+    assert "FINDING [bounds]" in capsys.readouterr().out
+
+
+def test_links_out_of_the_store_are_followed(store: Path) -> None:
+    """versions/ moved to a world-readable folder elsewhere and linked back: the files
+    are readable by others through their own path, whatever the store root's mode."""
+    elsewhere = Path(tempfile.mkdtemp())
+    try:
+        shutil.move(str(store / "versions"), elsewhere / "versions")
+        (store / "versions").symlink_to(elsewhere / "versions")
+        for p in [elsewhere, *elsewhere.rglob("*")]:
+            os.chmod(p, 0o755 if p.is_dir() else 0o644)
+        way = [elsewhere, *elsewhere.parents]
+        if not all(os.stat(p).st_mode & 0o001 for p in way):
+            pytest.skip(f"a folder above {elsewhere} is closed to others: nothing to expose")
+        report = audit_store(str(store), coordinates=8, seed=0)
+        found = _findings(report, "permissions")
+        assert any("read by others" in f and "versions/" in f for f in found), found
+        assert any("links lead out of the store" in f for f in found)
+        assert "others" in report.info["readable_by"]
+        # closed again: the link itself is still a finding, the exposure is gone
+        os.chmod(elsewhere, 0o700)
+        found = _findings(audit_store(str(store), coordinates=8, seed=0), "permissions")
+        assert not any("read by others" in f for f in found)
+        assert any("links lead out of the store" in f for f in found)
+    finally:
+        shutil.rmtree(elsewhere)
