@@ -12,13 +12,21 @@ A worker that dies mid-GEMV is replaced and the GEMV recomputed (the history is 
 file, untouched by a GEMV); past `max_respawns` replacements it is a `TierError`. The
 output buffer is filled with NaN before each request, so a result never comes from a
 request that did not finish.
+
+An owner killed outright (SIGKILL) cannot remove its folders, and on tmpfs they hold
+RAM. Each folder's name therefore says who owns it (pid, process start time, and a tag
+of the host and pid namespace); every far tier's start-up removes the folders of owners
+that no longer run, and never touches a live owner's or one it cannot judge (another
+host or container sharing the folder, or another user's).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import re
 import select
 import shutil
 import subprocess
@@ -29,9 +37,11 @@ from typing import IO, Any
 
 import numpy as np
 
+from state.process import owner_alive, process_start, this_host
+
 from .base import Tier, TierError, TierKind
 
-__all__ = ["FarTier"]
+__all__ = ["FarTier", "sweep_dead_owners"]
 
 log = logging.getLogger("cocoon_ckpt.tiers.far")
 
@@ -42,6 +52,58 @@ class _WorkerDied(Exception):
 
 def _shared_memory_dir() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+# cocoon-far-[io-]<pid>.<start>.<where>-<random>: <where> tags the host and pid namespace,
+# the only places where <pid>.<start> names one process.
+_OWNED = re.compile(r"^cocoon-far-(?:io-)?(\d+)\.(\d+)\.([0-9a-f]{12})-")
+
+
+def _where() -> str:
+    try:
+        pid_ns = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        pid_ns = ""
+    return hashlib.sha256(f"{this_host()}/{pid_ns}".encode()).hexdigest()[:12]
+
+
+def _owner_tag() -> str:
+    pid = os.getpid()
+    return f"{pid}.{process_start(pid) or 0}.{_where()}"
+
+
+def sweep_dead_owners(folders: list[str | None]) -> list[str]:
+    """Remove far-tier folders whose owner process no longer runs.
+
+    Args:
+        folders: where far tiers put their folders (None: the system temp folder).
+
+    Returns:
+        The folders removed. A folder of a live owner, of another host or pid namespace,
+        or of another user, is left alone.
+    """
+    where, uid, removed = _where(), os.getuid(), []
+    for parent in dict.fromkeys(f or tempfile.gettempdir() for f in folders):
+        try:
+            entries = list(os.scandir(parent))
+        except OSError:
+            continue
+        for entry in entries:
+            m = _OWNED.match(entry.name)
+            if m is None or m.group(3) != where:
+                continue
+            try:
+                if not entry.is_dir(follow_symlinks=False) or entry.stat().st_uid != uid:
+                    continue
+            except OSError:
+                continue
+            start = m.group(2) if m.group(2) != "0" else None
+            if owner_alive(this_host(), int(m.group(1)), start) is False:
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(entry.path)
+    if removed:
+        log.info("removed %d far-tier folder(s) of dead owners: %s", len(removed), removed)
+    return removed
 
 
 class FarTier(Tier):
@@ -77,9 +139,12 @@ class FarTier(Tier):
         self.timeout_s = timeout_s
         self.pre_delay_s = 0.0
         """Seconds the worker waits before computing (fault tests kill it meanwhile)."""
-        self._dir = tempfile.mkdtemp(prefix="cocoon-far-", dir=folder)
+        shm = _shared_memory_dir()
+        sweep_dead_owners([folder, shm])
+        tag = _owner_tag()
+        self._dir = tempfile.mkdtemp(prefix=f"cocoon-far-{tag}-", dir=folder)
         os.chmod(self._dir, 0o700)
-        self._shm = tempfile.mkdtemp(prefix="cocoon-far-io-", dir=_shared_memory_dir())
+        self._shm = tempfile.mkdtemp(prefix=f"cocoon-far-io-{tag}-", dir=shm)
         os.chmod(self._shm, 0o700)
         self._proc: subprocess.Popen[bytes] | None = None
         self._map: Any = None
