@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import state.lease
-from state import FencedError, LeaseHeldError, Store
+from state import FencedError, LeaseHeldError, Store, hooks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -168,3 +168,33 @@ def test_expiry_must_be_a_positive_number(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="lease expiry_s=.* must be a finite number"):
             store.acquire_lease(expiry_s=bad)
     assert store.backend.listdir("leases") == []
+
+
+def test_takeover_inside_the_commit_window_forks(store_location: dict[str, Any]) -> None:
+    """A takeover between the old writer's lease check and its manifest create lets that
+    one manifest land, and nothing after; the new writer's version comes above it and is
+    the newest (docs/commit-protocol.md, the takeover window)."""
+    old = _open(store_location)
+    old.acquire_lease()
+    new = _open(store_location)
+
+    def take_over(_name: str, _ctx: Any) -> None:
+        hooks.disarm("checkpoint.before_manifest")
+        new.acquire_lease(takeover=True)
+
+    hooks.arm("checkpoint.before_manifest", take_over)
+    try:
+        txn = old.begin(1)
+        txn.put_array("a", np.ones(2))
+        assert txn.commit().version == 1  # checked before the takeover: lands
+    finally:
+        hooks.disarm_all()
+    with pytest.raises(FencedError):
+        old.begin(2)
+    txn = new.begin(1, parent=None)
+    txn.put_array("a", np.zeros(2))
+    assert txn.commit().version == 2
+    latest = new.latest()
+    assert latest is not None and latest.manifest.writer["generation"] == 2
+    assert [new.manifest(v).writer["generation"] for v in new.versions()] == [1, 2]
+    new.release_lease()
