@@ -58,6 +58,10 @@ def walk_exposure(root: str) -> Exposure:
     real_root = os.path.realpath(root)
     mode = os.stat(real_root).st_mode
     start = {c: bool(mode & x) for c, (_, x) in CLASSES.items()}
+    out.checked += 1
+    for c, (r, _) in CLASSES.items():
+        if mode & r:  # the root's listing names every version and the key file
+            out.exposed[c].append(".")
     seen = {real_root}
     stack: list[tuple[str, str, dict[str, bool]]] = [("", real_root, start)]
     while stack:
