@@ -209,8 +209,15 @@ class Transaction(_VersionWriter):
         self.committed: Manifest | None = None
 
     def reference(self, name: str, meta: ArrayMeta) -> None:
-        """Include an array written earlier (an older version's, or shared) by path."""
+        """Include an array written earlier (an older version's, or shared) by path.
+
+        Raises:
+            ValueError: `meta.path` is not confined to the store (readers would refuse it).
+        """
         _check_name(name)
+        reason = unsafe_path_reason(meta.path)
+        if reason is not None:
+            raise ValueError(f"version {self.version}: array {name!r} path {meta.path!r} {reason}")
         if name in self._arrays:
             raise ValueError(f"version {self.version}: array {name!r} was already put")
         self._arrays[name] = meta
