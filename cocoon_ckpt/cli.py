@@ -563,9 +563,11 @@ def _train(args: argparse.Namespace) -> int:
             if bar.n == 0 and res.step > 0:
                 bar.update(res.step)  # resumed: start the bar where the job is
             if trainer.step_index % config.checkpoint_every == 0:
-                # epsilon is cached per participation round: cheap here
-                shown["eps"] = f"{trainer.epsilon():.3f}"
                 shown["ckpt"] = str(trainer.step_index)
+            # never composes here: the checkpoint writer does, off the training thread
+            eps = trainer.accountant.known_epsilon()
+            if eps is not None:
+                shown["eps"] = f"{eps:.3f}"
             bar.set_postfix(
                 loss=f"{res.loss:.4f}", eps=shown["eps"], last_ckpt=shown["ckpt"], refresh=False
             )

@@ -27,9 +27,29 @@ def test_matches_direct_composition(
     sigma: float, n_data: int, batch: int, steps: int, bands: int, method: str
 ) -> None:
     want = _direct(sigma, batch * bands / n_data, math.ceil(steps / bands), 1e-5, method)
-    assert epsilon(sigma, n_data, batch, steps, bands, 1e-5, method) == pytest.approx(
-        want, rel=1e-9
+    # The same value, not a close one: the cached composition is dp-accounting's own.
+    assert epsilon(sigma, n_data, batch, steps, bands, 1e-5, method) == want
+
+
+@pytest.mark.parametrize(
+    ("sigma", "n_data", "batch", "bands", "counts"),
+    [(1.0, 2048, 32, 8, [2, 38, 37]), (0.9, 20_000, 100, 1, [1, 400])],
+)
+def test_every_round_count_equals_direct_composition(
+    sigma: float, n_data: int, batch: int, bands: int, counts: list[int]
+) -> None:
+    # A job checkpointing at each new round count: one cached one-round PLD, its cached
+    # tail bounds and spectra reused across counts, each count still exactly
+    # dp-accounting's composition (and a displayed value never composes by itself).
+    q = batch * bands / n_data
+    acc = Accountant(
+        noise_multiplier=sigma, dataset_size=n_data, batch_size=batch, bands=bands, delta=1e-5
     )
+    for count in counts:
+        acc.steps = count * bands
+        assert acc.known_epsilon() is None or count in counts[: counts.index(count)]
+        assert acc.epsilon() == _direct(sigma, q, count, 1e-5)
+        assert acc.known_epsilon() == acc.epsilon()
 
 
 def test_b1_is_standard_dp_sgd() -> None:
@@ -68,6 +88,14 @@ def test_noise_multiplier_for_inverts_epsilon() -> None:
     sigma = noise_multiplier_for(4.0, 10_000, 100, 400, 4, 1e-5)
     assert epsilon(sigma, 10_000, 100, 400, 4, 1e-5) <= 4.0
     assert epsilon(sigma * 0.99, 10_000, 100, 400, 4, 1e-5) > 4.0
+    # within 0.2% of the smallest: the coarse-grid search lands next to the answer
+    assert epsilon(sigma * 0.998, 10_000, 100, 400, 4, 1e-5) > 4.0
+
+
+def test_noise_multiplier_for_rdp() -> None:
+    sigma = noise_multiplier_for(3.0, 60_000, 256, 500, 1, 1e-5, "rdp")
+    assert epsilon(sigma, 60_000, 256, 500, 1, 1e-5, "rdp") <= 3.0
+    assert epsilon(sigma * 0.99, 60_000, 256, 500, 1, 1e-5, "rdp") > 3.0
 
 
 def test_accountant_tracks_steps_and_refuses_other_state() -> None:
