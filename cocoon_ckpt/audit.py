@@ -21,23 +21,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from state import CorruptVersionError, Manifest, Store, StoreError, Version
 
 from . import config as cfgmod
 from .accountant import epsilon as compute_epsilon
+from .audit_embedding import check_embedding
 from .bounds import VersionBounds, check_bounds
 from .catalog import own_prefix
 from .errors import NoiseKeyError
 from .exposure import walk_exposure
-from .gemv import mix_history
 from .guarantee import describe
 from .job import key_id
 from .jobs import JobParts, resolve
 from .layout import KEY_SECRET, THREAT_MODEL_DEFAULT, THREAT_MODELS
 from .mechanism import BandMF
-from .noise import BLOCK, KeyedNoise
+from .regenerate import regenerate
 
 __all__ = [
     "AuditReport",
@@ -126,13 +125,13 @@ def _load_audit_key(store: Store, key_file: str | None, location: str | None) ->
         if len(key) != 32:
             raise NoiseKeyError(f"key file {key_file} holds {len(key)} bytes, not a 32-byte key")
         return key
-    key = store.get_secret(KEY_SECRET)
-    if key is None:
+    stored = store.get_secret(KEY_SECRET)
+    if stored is None:
         raise NoiseKeyError(
             f"{store.url} has no noise key (secret/{KEY_SECRET}; the job recorded key "
             f"location {location!r}): pass --key-file / key_file= to regenerate the noise"
         )
-    return key
+    return stored
 
 
 def _check_chain(store: Store, report: AuditReport) -> dict[int, Manifest]:
@@ -310,13 +309,13 @@ def _check_records(
                 )
         if 0 < m.step <= bounds[v].steps:
             eps = compute_epsilon(
-                want["noise_multiplier"],
-                want["dataset_size"],
-                want["batch_size"],
+                float(dp["noise_multiplier"]),
+                int(dp["dataset_size"]),
+                int(dp["batch_size"]),
                 m.step,
-                want["bands"],
-                want["delta"],
-                acc.get("method", "pld"),
+                int(dp["bands"]),
+                float(dp["delta"]),
+                str(acc.get("method", "pld")),
             )
             recomputed_eps += 1
             stored = acc.get("epsilon")
@@ -342,43 +341,6 @@ def _check_records(
         )
     report.checks["accountant"] = {"epsilons_recomputed": recomputed_eps}
     report.checks["fingerprint"] = {"distinct": len(fingerprints)}
-
-
-def _regenerate(
-    key: bytes,
-    mechanism: BandMF,
-    dim: int,
-    std: float,
-    dtype: str,
-    coords: np.ndarray,
-    steps: int,
-) -> np.ndarray:
-    """w_t at `coords` for t < steps, (steps, len(coords)), computed the engine's way:
-    the recursion is coordinate-wise, so a few coordinates need only their own history
-    (their fresh noise blocks are drawn whole, as I1 defines them)."""
-    fresh = KeyedNoise(key, dim, std, dtype)
-    tdtype = fresh.dtype
-    slots = mechanism.bands - 1
-    c0 = float(mechanism.coefficients[0])
-    blocks = np.unique(coords // BLOCK)
-    out = torch.empty(steps, len(coords), dtype=tdtype)
-    ring = torch.zeros(max(slots, 0), len(coords), dtype=tdtype)
-    for t in range(steps):
-        z = torch.empty(len(coords), dtype=tdtype)
-        for k in blocks:
-            lo, hi = int(k) * BLOCK, min((int(k) + 1) * BLOCK, dim)
-            sel = np.nonzero(coords // BLOCK == k)[0]
-            zb = fresh.fresh(t, lo, hi)
-            z[sel] = zb[torch.from_numpy(coords[sel] - lo)]
-        if slots:
-            # the engine's kernel: one order of rounding, so any subset of coordinates
-            # reproduces the stored values bit for bit
-            w = (z - torch.from_numpy(mix_history(mechanism.mixing_vector(t), ring.numpy()))) / c0
-            ring[t % slots].copy_(w)
-        else:
-            w = z / c0
-        out[t] = w
-    return out.numpy()
 
 
 def _check_noise(
@@ -443,7 +405,7 @@ def _check_noise(
             "note": "b = 1: no history is stored" if mechanism.bands == 1 else "no slots",
         }
         return
-    want = _regenerate(
+    want = regenerate(
         key,
         mechanism,
         dim,
@@ -479,179 +441,6 @@ def _check_noise(
         "max_deviation": worst,
         "key_ids": len(key_ids),
     }
-
-
-def _check_embedding(
-    store: Store,
-    newest: Manifest,
-    key: bytes,
-    rows_per_table: int,
-    seed: int,
-    report: AuditReport,
-    parts: JobParts | None,
-) -> None:
-    """Each table's online ring against noise regenerated from the table's key; with the
-    job's parts (given by the caller, never resolved from the store), the stored noise
-    order and CSC structure against the schedule rebuilt from the sampler and data, and
-    the entries of random cold rows against a precompute from the key (tiling-
-    independent, so bit for bit)."""
-    from .config import JobConfig
-    from .embedding.csc import CoalescedCSC
-    from .embedding.precompute import precompute_csc, table_key, table_noise
-    from .embedding.schedule import table_schedule
-    from .layout import emb_name
-    from .sampler import CyclicPoissonSampler
-
-    emb = newest.records["embedding"]
-    config = JobConfig.from_record(newest.records["config"])
-    dp = config.dp
-    mechanism = BandMF.from_state_dict(newest.records["mechanism"])
-    std = dp.noise_multiplier * dp.max_grad_norm
-    ver = Version(store, newest)
-    rng = np.random.default_rng(seed)
-    slots_checked = slots_identical = 0
-    for t in emb["tables"]:
-        ring_checked, ring_same = _check_table_ring(
-            ver, t, table_key(key, t["param"]), mechanism, std, rng, report
-        )
-        slots_checked += ring_checked
-        slots_identical += ring_same
-    report.checks["embedding"] = {
-        "tables": len(emb["tables"]),
-        "threat_model": emb["threat_model"],
-        "online_slots": slots_checked,
-        "online_slots_bit_identical": slots_identical,
-        "seed": seed,
-    }
-    if parts is None:
-        report.skipped.append(
-            f"embedding schedule: the noise order, CSC structure and cold rows' entries of "
-            f"{len(emb['tables'])} tables need the job's data (job {config.job!r} is named by "
-            "the store, and audit runs no code a store names): pass --job MODULE:FUNCTION or "
-            "--example NAME (job= in Python) to check them"
-        )
-        return
-    specs = {s.param: s for s in (config.embedding.tables if config.embedding else ())}
-    specs = specs or {s.param: s for s in parts.tables}
-    sampler = CyclicPoissonSampler(
-        dataset_size=dp.dataset_size, batch_size=dp.batch_size, bands=dp.bands, seed=dp.seed
-    )
-    batches = sampler.schedule(dp.steps)
-    checked = identical = 0
-    for t in emb["tables"]:
-        param, plan = t["param"], t["plan"]
-        spec = specs.get(param)
-        if spec is None:
-            report.add(
-                "embedding",
-                f"table {param} of the store is not a table of the job given",
-                newest.version,
-            )
-            continue
-        sched = table_schedule(
-            parts.data[spec.data_index][:, spec.column].numpy(), batches, int(t["rows"])
-        )
-        order = sched.noise_order()
-        if not np.array_equal(ver.array(emb_name(param, "order")), order):
-            report.add(
-                "embedding",
-                f"table {param}: the stored noise order differs from the one the job's "
-                "sampler and data give",
-                newest.version,
-            )
-            continue
-        if plan["mode"] != "coalesced" or t.get("csc") is None:
-            continue
-        csc = CoalescedCSC.from_arrays(
-            {k: ver.array(emb_name(param, f"csc/{k}")) for k in ("col_ptr", "rows", "values")}
-        )
-        hot = int(plan["hot"])
-        hot_rows = set(order[:hot].tolist())
-        for step in range(sched.steps):
-            rows, _ = csc.column(step)
-            want = [r for r in sched.rows_at(step).tolist() if r not in hot_rows]
-            if rows.tolist() != want:
-                report.add(
-                    "embedding",
-                    f"table {param}: CSC column {step} holds rows {rows.tolist()[:8]}..., the "
-                    f"schedule's cold reads are {want[:8]}...",
-                    newest.version,
-                )
-                break
-        cold = np.arange(hot, sched.rows)
-        if cold.size == 0:
-            continue
-        pick = np.sort(rng.choice(cold, size=min(rows_per_table, cold.size), replace=False))
-        dim = int(t["dim"])
-        dtype = str(csc.values.dtype)
-        again = precompute_csc(
-            sched,
-            order,
-            hot,
-            dim,
-            mechanism,
-            table_noise(key, param, sched.rows, dim, std, dtype),
-            np.asarray(
-                config.embedding.lr_schedule
-                if config.embedding and config.embedding.lr_schedule
-                else [config.lr] * dp.steps
-            )
-            / dp.batch_size,
-            tiles=[np.array([p]) for p in pick],
-        )
-        # both CSCs list entries by (column, row): the picked rows' entries line up
-        mask = np.isin(csc.rows, order[pick])
-        cols = np.repeat(np.arange(csc.steps + 1), np.diff(csc.col_ptr))[mask]
-        exp_cols = np.repeat(np.arange(again.steps + 1), np.diff(again.col_ptr))
-        same = 0
-        if cols.size == exp_cols.size:
-            ok = (cols == exp_cols) & (csc.rows[mask] == again.rows)
-            ok &= np.all(csc.values[mask] == again.values, axis=1)
-            same = int(ok.sum())
-        checked += int(exp_cols.size)
-        identical += same
-        if same != exp_cols.size:
-            report.add(
-                "embedding",
-                f"table {param}: of {exp_cols.size} entries of {len(pick)} random cold rows "
-                f"recomputed from the key, {exp_cols.size - same} differ from the stored CSC: "
-                "the coalesced noise was altered or came from another key",
-                newest.version,
-            )
-    report.checks["embedding"].update({"entries_recomputed": checked, "bit_identical": identical})
-
-
-def _check_table_ring(
-    ver: Version,
-    t: dict[str, Any],
-    key: bytes,
-    mechanism: BandMF,
-    std: float,
-    rng: np.random.Generator,
-    report: AuditReport,
-) -> tuple[int, int]:
-    """A table's stored online ring (hot rows, or every row of a dense table) against
-    the noise regenerated from the table's key at random coordinates of its noise space."""
-    width = int(t["online_rows"]) * int(t["dim"])
-    if width == 0 or not t["slots"]:
-        return 0, 0
-    coords = np.sort(rng.choice(width, size=min(64, width), replace=False)).astype(np.int64)
-    steps = 1 + max(int(step) for _, step, _ in t["slots"])
-    got = {step: ver.array(name) for _, step, name in t["slots"]}
-    dtype = str(next(iter(got.values())).dtype)
-    want = _regenerate(key, mechanism, int(t["rows"]) * int(t["dim"]), std, dtype, coords, steps)
-    same = 0
-    for step, arr in sorted(got.items()):
-        if np.array_equal(arr[coords], want[step]):
-            same += 1
-        else:
-            report.add(
-                "embedding",
-                f"table {t['param']}: online ring slot of step {step} differs from the noise "
-                "regenerated from the key: the stored history was altered",
-                ver.version,
-            )
-    return len(got), same
 
 
 def _check_permissions(store: Store, report: AuditReport) -> None:
@@ -694,12 +483,8 @@ def _check_permissions(store: Store, report: AuditReport) -> None:
         )
 
 
-def _job_parts(
-    job: str | Callable[..., JobParts] | None, config_record: dict[str, Any]
-) -> JobParts | None:
-    """The caller's job built with the store's config; None when none was given."""
-    if job is None:
-        return None
+def _job_parts(job: str | Callable[..., JobParts], config_record: dict[str, Any]) -> JobParts:
+    """The caller's job built with the store's config."""
     from .config import JobConfig
 
     builder = resolve(job) if isinstance(job, str) else job
@@ -777,7 +562,7 @@ def audit_store(
         "noise",
         lambda: _check_noise(store, manifests, bounds, key, coordinates, seed, report),
     )
-    parts = None
+    parts: JobParts | None = None
     if job is not None:
         parts = _job_parts(job, rec["config"])
         _check_job_shapes(parts, newest, report)
@@ -787,7 +572,7 @@ def audit_store(
             _guard(
                 report,
                 "embedding",
-                lambda: _check_embedding(store, newest, key, 4, seed, report, parts),
+                lambda: check_embedding(store, newest, key, 4, seed, report, parts),
             )
         else:
             report.skipped.append(
