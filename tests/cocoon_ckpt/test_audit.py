@@ -264,7 +264,10 @@ def build(config):
 
 
 def test_audit_never_runs_the_job_a_store_names(
-    emb_store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    emb_store: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The store's config names a module on the path that writes a marker when imported:
     audit skips the checks that need the job and says so; only a job the user names runs."""
@@ -297,6 +300,12 @@ def test_audit_never_runs_the_job_a_store_names(
     assert (tmp_path / "built").read_text() == "the job was built"
     emb = ran.checks["embedding"]
     assert ran.ok and not ran.skipped and emb["entries_recomputed"] == emb["bit_identical"] > 0
+    # the CLI: --example names a built-in job for the same checks
+    args = ["audit", str(root), "--coordinates", "8", "--seed", "1", "--json"]
+    assert main([*args, "--example", "dlrm"]) == 0
+    assert json.loads(capsys.readouterr().out)["skipped"] == []
+    assert main(args) == 0
+    assert "--example" in json.loads(capsys.readouterr().out)["skipped"][0]
 
 
 def _newest(root: Path) -> int:
