@@ -330,11 +330,13 @@ def _add_chaos(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "chaos",
         help="random crash schedules on faulty storage, each compared with a golden run",
         description="Draw N random fault schedules (crash points at random steps, transient "
-        "storage errors, lost responses, slow writes, bit flips at rest), run each to "
-        "completion with resumes on a faulty memory:// store, and compare every step with an "
-        "uninterrupted run; then run --kill-trials real subprocesses SIGKILLed at a crash "
-        "point and at random moments and compare their final models. Exit 1 if anything "
-        "diverged, was lost or went undetected.",
+        "storage errors, lost responses, slow writes; at rest: bit flips in chunks and "
+        "manifests, array paths pointed out of the store with re-stamped checksums), run each "
+        "to completion with resumes on a faulty memory:// store, and compare every step with "
+        "an uninterrupted run; then run --kill-trials real subprocesses SIGKILLed at a crash "
+        "point and at random moments, and --takeover-trials writers frozen on a local S3 "
+        "server while another takes over, and compare their final models. Exit 1 if anything "
+        "diverged, was lost, went undetected or a superseded writer committed.",
     )
     p.add_argument("--example", choices=["mlp", "dlrm"], default="mlp", help="(default mlp)")
     p.add_argument("--trials", type=int, default=200, help="schedules to draw (default 200)")
@@ -349,6 +351,14 @@ def _add_chaos(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="also run this many trials as real subprocesses SIGKILLed at a crash point "
         "and at random moments, on local disk (default 10; each takes seconds)",
     )
+    p.add_argument(
+        "--takeover-trials",
+        type=int,
+        default=None,
+        help="also run this many takeovers on a local S3 server (moto, in the test extra): "
+        "a writer frozen mid-run, a second one taking over with --takeover, the first "
+        "woken and fenced (default 2 where moto is installed, else 0)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -359,6 +369,13 @@ def _chaos(args: argparse.Namespace) -> int:
         raise ValueError(f"--trials={args.trials} must be >= 1")
     if args.kill_trials < 0:
         raise ValueError(f"--kill-trials={args.kill_trials} must be >= 0")
+    if args.takeover_trials is not None and args.takeover_trials < 0:
+        raise ValueError(f"--takeover-trials={args.takeover_trials} must be >= 0")
+    takeovers = args.takeover_trials
+    if takeovers is None:
+        import importlib.util
+
+        takeovers = 2 if importlib.util.find_spec("moto") is not None else 0
     config = JobConfig(
         job=f"example:{args.example}",
         dp=DPConfig(
@@ -374,13 +391,28 @@ def _chaos(args: argparse.Namespace) -> int:
     # Every skipped damaged version and retried error is counted in the report.
     logging.getLogger("state").setLevel(logging.ERROR)
     report = run_chaos(config, trials=args.trials, seed=args.seed)
+    train_args = [
+        *("--example", args.example, "--steps", str(args.steps), "--bands", str(args.bands)),
+        *("--checkpoint-every", str(args.checkpoint_every), "--batch-size", "16"),
+        *("--dataset-size", "512"),
+    ]
     if args.kill_trials:
-        train_args = [
-            *("--example", args.example, "--steps", str(args.steps), "--bands", str(args.bands)),
-            *("--checkpoint-every", str(args.checkpoint_every), "--batch-size", "16"),
-            *("--dataset-size", "512"),
-        ]
         run_kill_chaos(train_args, trials=args.kill_trials, seed=args.seed, report=report)
+    if takeovers:
+        from fault_injection import local_s3_server, run_takeover_chaos
+
+        server, opts, bucket = local_s3_server()
+        try:
+            run_takeover_chaos(
+                train_args,
+                trials=takeovers,
+                seed=args.seed,
+                storage_options=opts,
+                bucket=bucket,
+                report=report,
+            )
+        finally:
+            server.stop()
     if args.json:
         print(json.dumps(report.as_json()))
     else:
@@ -555,12 +587,12 @@ def _train(args: argparse.Namespace) -> int:
             if done >= total:
                 pre[0].close()
 
-        bar = tqdm(total=config.dp.steps, desc="train", unit="step", file=sys.stderr)
-
         shown = {"eps": "-", "ckpt": "-"}
 
         def on_step(res: Any, trainer: Any) -> None:
-            if bar.n == 0 and res.step > 0:
+            nonlocal bar
+            if bar is None:  # made at the first step: a refused start draws no bar
+                bar = tqdm(total=config.dp.steps, desc="train", unit="step", file=sys.stderr)
                 bar.update(res.step)  # resumed: start the bar where the job is
             if trainer.step_index % config.checkpoint_every == 0:
                 shown["ckpt"] = str(trainer.step_index)

@@ -55,6 +55,10 @@ def read_key_file(path: str) -> bytes:
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not hang us
+    except FileNotFoundError:
+        raise NoiseKeyError(
+            f"cannot read key file: {path} does not exist; pass the job's key file"
+        ) from None
     except OSError as exc:
         raise NoiseKeyError(
             f"cannot read key file {path} ({exc.strerror}); pass the job's key file"

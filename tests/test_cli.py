@@ -6,11 +6,16 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+
+from cocoon_ckpt.cli import main
+from state import Store
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -49,24 +54,17 @@ def test_train_resume_export_json(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "m.pt.privacy.json").read_text())["epsilon"] == report["epsilon"]
 
 
-def test_errors_are_one_line_with_exit_codes(tmp_path: Path) -> None:
+def test_errors_are_one_line_with_exit_codes(
+    committed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     store = str(tmp_path / "s.zarr")
-    ok = _run("train", "--store", store, "--steps", "8", "--checkpoint-every", "4", "--no-progress")
-    assert ok.returncode == 0, ok.stderr
-    changed = _run("train", "--store", store, "--steps", "8", "--bands", "2", "--no-progress")
-    assert changed.returncode == 1
-    assert changed.stderr.count("\n") == 1 and "dp.bands: stored 8, now 2" in changed.stderr
-    bad = _run(
-        "train", "--store", str(tmp_path / "t.zarr"), "--noise-multiplier", "0", "--no-progress"
-    )
-    assert bad.returncode == 2 and "noise_multiplier" in bad.stderr
-    missing = _run("export", str(tmp_path / "nothing"), "--out", str(tmp_path / "x.pt"))
-    assert missing.returncode == 2 and "holds no cocoon-ckpt store" in missing.stderr
+    shutil.copytree(committed / "s.zarr", store)
+    code, _, err = _main(capsys, "train", "--store", store, "--steps", "4", "--bands", "1")
+    assert code == 1  # a valid request the store refused
+    assert err.count("\n") == 1 and "dp.bands: stored 2, now 1" in err
+    code, _, err = _main(capsys, "export", str(tmp_path / "nothing"), "--out", "x.pt")
+    assert code == 2 and "holds no cocoon-ckpt store" in err
     assert not (tmp_path / "nothing").exists()  # export creates nothing
-    usage = _run("train", "--steps", "many")
-    assert usage.returncode == 2
-    opts = _run("train", "--store", store, "--storage-options", "{not json", "--no-progress")
-    assert opts.returncode == 2 and "--storage-options is not valid JSON" in opts.stderr
 
 
 def _tree(root: Path) -> dict[str, str]:
@@ -126,36 +124,75 @@ def test_inspect_audit_diff_gc_in_subprocesses(tmp_path: Path) -> None:
     assert _run("audit", store).returncode == 0
 
 
-def test_bad_input_is_one_line_exit_2_and_changes_nothing(tmp_path: Path) -> None:
-    store = tmp_path / "s.zarr"
-    keyed = tmp_path / "k.zarr"
-    ok = _run(
-        "train", "--store", str(store), "--steps", "8", "--checkpoint-every", "4", "--no-progress"
-    )
-    assert ok.returncode == 0, ok.stderr
-    ok = _run(
-        "train", "--store", str(keyed), "--steps", "8", "--key-file", str(tmp_path / "key"),
-        "--no-progress",
-    )  # fmt: skip
-    assert ok.returncode == 0, ok.stderr
+def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """`cocoon-ckpt ARGS` in this process (no interpreter and torch start per case)."""
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+WRONG_SIGNATURE_JOB = """
+from cocoon_ckpt.jobs import mlp
+
+def build():
+    return mlp.build(None)
+"""
+
+
+@pytest.fixture(scope="module")
+def committed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A committed store with its key inside, and one whose key is in a key file."""
+    root = tmp_path_factory.mktemp("cli")
+    small = ("--steps", "4", "--bands", "2", "--checkpoint-every", "2", "--no-progress")
+    assert main(["train", "--store", str(root / "s.zarr"), *small]) == 0
+    key = str(root / "key")
+    assert main(["train", "--store", str(root / "k.zarr"), "--key-file", key, *small]) == 0
+    return root
+
+
+def test_bad_input_is_one_line_exit_2_and_changes_nothing(
+    committed: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    shutil.copytree(committed, tmp_path, dirs_exist_ok=True)
+    store, keyed = tmp_path / "s.zarr", tmp_path / "k.zarr"
     newer = tmp_path / "newer.zarr"
     shutil.copytree(store, newer)
     root = json.loads((newer / "zarr.json").read_text())
     root["attributes"]["cocoon_ckpt"]["format_version"] = 99
     (newer / "zarr.json").write_text(json.dumps(root))
     (tmp_path / "notastore").mkdir()
+    (tmp_path / "notastore" / "mine.txt").write_text("a user's file")
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "zarr.json").write_text('{"zarr_format": 3, "node_type": "group"}')
+    (tmp_path / "afile").write_text("not a folder")
     (tmp_path / "bad.json").write_text("{not json")
-    before = {p: _tree(p) for p in (store, keyed, newer, tmp_path / "notastore")}
+    rec = json.loads((tmp_path / "s.zarr" / "manifests").glob("*.json").__next__().read_text())
+    (tmp_path / "async_no.json").write_text(
+        json.dumps({**rec["records"]["config"], "async_checkpoint": "no"})
+    )
+    (tmp_path / "open.key").write_bytes(b"k" * 32)
+    os.chmod(tmp_path / "open.key", 0o644)
+    (tmp_path / "wrongsig.py").write_text(WRONG_SIGNATURE_JOB)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fresh = str(tmp_path / "fresh.zarr")
+    long = str(tmp_path / ("x" * 300) / "s.zarr")
+    train = ("train", "--no-progress", "--steps", "4", "--bands", "2")
     cases = [
         (("inspect", str(tmp_path / "notastore")), "holds no cocoon-ckpt store"),
         (("audit", str(tmp_path / "notastore")), "holds no cocoon-ckpt store"),
         (("gc", str(tmp_path / "notastore"), "--keep", "2"), "holds no cocoon-ckpt store"),
+        (("train", "--store", str(tmp_path / "notastore"), "--no-progress"), "notastore"),
         (("inspect", str(newer)), "upgrade cocoon-ckpt"),
         (("audit", str(newer)), "upgrade cocoon-ckpt"),
         (("train", "--store", str(newer), "--no-progress"), "upgrade cocoon-ckpt"),
         (("audit", str(keyed)), "--key-file"),
         (("audit", str(keyed), "--key-file", str(tmp_path / "nokey")), "cannot read key file"),
-        (("train", "--store", str(keyed), "--steps", "8", "--no-progress"), "--key-file"),
+        ((*train, "--store", str(keyed)), "--key-file"),
+        ((*train, "--store", str(keyed), "--key-file", str(tmp_path / "open.key")), "chmod 600"),
+        ((*train, "--store", fresh, "--key-file", str(tmp_path / "open.key")), "chmod 600"),
         (("inspect", str(store), "--version", "99"), "has no version 99"),
         (("diff", str(store), "1", "99"), "has no version 99"),
         (
@@ -164,16 +201,95 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(tmp_path: Path) -> Non
         ),
         (("train", "--config", str(tmp_path / "none.json"), "--store", str(store)), "cannot read"),
         (("train", "--config", str(tmp_path / "bad.json"), "--steps", "3"), "drop --steps"),
+        (
+            ("train", "--config", str(tmp_path / "async_no.json"), "--store", fresh),
+            "JobConfig.async_checkpoint='no'",
+        ),
         (("gc", str(store), "--keep", "1"), "--keep=1 must be >= 2"),
         (("audit", str(store), "--coordinates", "0"), "coordinates=0"),
+        (("--log-level", "BOGUS", "inspect", str(store)), "'BOGUS' is not one of"),
+        (("train", "--steps", "many"), "invalid int value"),
+        ((*train, "--store", fresh, "--lr", "inf"), "Expected JobConfig.lr=inf to be finite"),
+        ((*train, "--store", fresh, "--lr", "-1"), "JobConfig.lr=-1.0"),
+        ((*train, "--store", fresh, "--noise-multiplier", "nan"), "noise_multiplier=nan"),
+        ((*train, "--store", fresh, "--steps", str(10**30)), "DPConfig.steps=10000"),
+        ((*train, "--store", fresh, "--delta", "1"), "DPConfig.delta=1.0"),
+        ((*train, "--store", fresh, "--tiers", '{"host_bytes": true}'), "host_bytes=True"),
+        ((*train, "--store", fresh, "--tiers", '{"hots_bytes": 1}'), "TierConfig"),
+        ((*train, "--store", fresh, "--storage-options", '{"anon": "no"}'), 'anon="no"'),
+        ((*train, "--store", fresh, "--storage-options", "[1]"), "must be a JSON object"),
+        ((*train, "--store", ""), "--store=''"),
+        ((*train, "--store", fresh, "--job", "wrongsig:build"), "function of one argument"),
+        ((*train, "--store", fresh, "--job", "nosuchmodule:build"), "cannot import module"),
+        (("inspect", str(tmp_path / "afile")), "is a file"),
+        ((*train, "--store", str(tmp_path / "afile")), "is a file"),
+        (("inspect", str(tmp_path / "plain")), "not a cocoon-ckpt store root"),
+        ((*train, "--store", str(tmp_path / "plain")), "not a cocoon-ckpt store root"),
+        (("inspect", long), "File name too long"),
+        ((*train, "--store", long), "File name too long"),
     ]
+    before = _tree(tmp_path)
     for args, needle in cases:
-        res = _run(*args)
-        assert res.returncode == 2, (args, res.returncode, res.stderr)
-        assert res.stderr.count("\n") == 1 and needle in res.stderr, (args, res.stderr)
-        assert res.stderr.startswith("cocoon-ckpt: error: ")
-    assert {p: _tree(p) for p in before} == before
+        code, out, err = _main(capsys, *args)
+        assert code == 2, (args, code, err)
+        assert err.count("\n") == 1 and needle in err, (args, err)
+        assert err.startswith("cocoon-ckpt: error: ") and out == "", (args, out)
+    assert _tree(tmp_path) == before
     assert not (tmp_path / "nokey").exists()
+
+
+def test_storage_errors_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("s3fs")
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no credential probe
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    opts = {"endpoint_url": closed, "config_kwargs": {"retries": {"max_attempts": 1}}}
+    code, _, err = _main(
+        capsys, "inspect", "s3://bucket/run.zarr", "--storage-options", json.dumps(opts)
+    )
+    assert code == 2 and err.count("\n") == 1 and "no usable S3 credentials" in err, err
+    opts |= {"key": "k", "secret": "s"}
+    code, _, err = _main(
+        capsys, "inspect", "s3://bucket/run.zarr", "--storage-options", json.dumps(opts)
+    )
+    assert code == 1 and err.count("\n") == 1 and "cannot reach the storage endpoint" in err, err
+
+
+def test_ctrl_c_outside_training_is_exit_130_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import cocoon_ckpt.catalog
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cocoon_ckpt.catalog, "inspect_store", interrupted)
+    code, _, err = _main(capsys, "inspect", str(tmp_path))
+    assert code == 130 and err == "cocoon-ckpt: interrupted\n"
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    Store.open(str(tmp_path / "s.zarr"))  # an empty store: inspect prints a few lines
+    read, write = os.pipe()
+    os.close(read)  # the reader (`| head`) is already gone
+    try:
+        res = subprocess.run(
+            [sys.executable, "-m", "cocoon_ckpt", "inspect", str(tmp_path / "s.zarr")],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert res.returncode == 141 and res.stderr == ""
 
 
 def test_help_explains_every_subcommand() -> None:

@@ -48,7 +48,7 @@ class TierConfig:
     def __post_init__(self) -> None:
         for name in ("device_bytes", "host_bytes", "far_bytes"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 0):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"TierConfig.{name}={v!r}: must be an integer >= 0 or None")
         if self.far_link_bytes_per_s is not None and not self.far_link_bytes_per_s > 0:
             raise ValueError(

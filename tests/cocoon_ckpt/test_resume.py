@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,7 @@ def test_wrong_key_and_missing_key_are_refused(tmp_path: Path) -> None:
     with pytest.raises(NoiseKeyError, match="k3 does not exist"):
         run_job(job_config("mlp"), url, key_file=str(tmp_path / "k3"))
     (tmp_path / "k2").write_bytes(bytes(range(32)))
+    os.chmod(tmp_path / "k2", 0o600)  # a group-readable key file is refused first
     with pytest.raises(NoiseKeyError, match="does not match"):
         run_job(job_config("mlp"), url, key_file=str(tmp_path / "k2"))
     with pytest.raises(NoiseKeyError, match="no noise key"):
