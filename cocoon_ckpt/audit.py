@@ -32,8 +32,8 @@ from .catalog import own_prefix
 from .errors import NoiseKeyError
 from .exposure import walk_exposure
 from .guarantee import describe
-from .job import key_id
 from .jobs import JobParts, resolve
+from .keys import key_id
 from .layout import KEY_SECRET, THREAT_MODEL_DEFAULT, THREAT_MODELS
 from .mechanism import BandMF
 from .regenerate import regenerate
