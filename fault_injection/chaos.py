@@ -4,6 +4,7 @@ resumes and compared with a golden trace; at-rest damage injected between runs."
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import uuid
 from collections import Counter
@@ -11,13 +12,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cocoon_ckpt import JobConfig, run_job
-from state import CorruptVersionError, Store, hooks
+from state import CorruptVersionError, Store, hooks, restamp
+from state.manifest import manifest_path
 
 from .crash import CrashPointHit, crash_at, disarm_all
 from .faulty_fs import FaultPlan, faulty_filesystem
 from .golden import Trace, golden
 
-__all__ = ["ChaosReport", "draw_schedule", "run_chaos", "run_kill_chaos"]
+__all__ = [
+    "ChaosReport",
+    "draw_schedule",
+    "local_s3_server",
+    "run_chaos",
+    "run_kill_chaos",
+    "run_takeover_chaos",
+]
 
 
 def draw_schedule(
@@ -48,28 +57,39 @@ class ChaosReport:
 
     trials: int = 0
     kill_trials: int = 0
+    takeover_trials: int = 0
     faults: Counter[str] = field(default_factory=Counter)
     resumes: int = 0
     divergences: int = 0
     lost_versions: int = 0
     detected_corruptions: int = 0
     undetected_corruptions: int = 0
+    fenced_writers: int = 0
+    unfenced_commits: int = 0
     failures: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not (self.divergences or self.lost_versions or self.undetected_corruptions)
+        return not (
+            self.divergences
+            or self.lost_versions
+            or self.undetected_corruptions
+            or self.unfenced_commits
+        )
 
     def table(self) -> str:
         rows = [
             ("trials (in-process, faulty storage)", self.trials),
             ("trials (subprocess, SIGKILL)", self.kill_trials),
+            ("trials (S3, a frozen writer taken over)", self.takeover_trials),
             *[(f"faults: {k}", v) for k, v in sorted(self.faults.items())],
             ("resumes", self.resumes),
             ("divergences", self.divergences),
             ("lost committed versions", self.lost_versions),
             ("detected corruptions", self.detected_corruptions),
             ("undetected corruptions", self.undetected_corruptions),
+            ("superseded writers refused on waking", self.fenced_writers),
+            ("commits by a superseded writer", self.unfenced_commits),
         ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -103,6 +123,54 @@ def _corrupt_newest(store: Store, rng: random.Random) -> str | None:
     return chunk
 
 
+def _flip_record_bit(store: Store, rng: random.Random) -> str | None:
+    """Flip one bit of the newest manifest at rest, anywhere in its bytes (records,
+    header, checksums or layout): what a bad sector or a stray write does to metadata."""
+    versions = store.versions()
+    if len(versions) < 2:
+        return None
+    path = manifest_path(versions[-1])
+    data = bytearray(store.backend.read_bytes(path))
+    bit = rng.randrange(len(data) * 8)
+    data[bit // 8] ^= 1 << (bit % 8)
+    store.backend.fs.pipe_file(store.backend.path(path), bytes(data))
+    return f"{path} bit {bit}"
+
+
+#: Array paths an attacker who can recompute the checksums may write into a manifest:
+#: another store's folder, an absolute path, a URL, a folder outside versions/ and shared/.
+_HOSTILE_PATHS = (
+    "../../other.zarr/versions/00000001-g1/model/{name}",
+    "versions/../../other.zarr/{name}",
+    "/etc/{name}",
+    "s3://elsewhere/run.zarr/versions/00000001-g1/{name}",
+    "secret/{name}",
+)
+
+
+def _tamper_path(store: Store, rng: random.Random) -> str | None:
+    """Point one array of the newest manifest outside the store and re-stamp every
+    checksum, as a writer who can recompute them would: only the path check can catch it."""
+    versions = store.versions()
+    if len(versions) < 2:
+        return None
+    path = manifest_path(versions[-1])
+    doc = json.loads(store.backend.read_bytes(path))
+    name = rng.choice(sorted(doc["arrays"]))
+    hostile = rng.choice(_HOSTILE_PATHS).format(name=name.replace("/", "_"))
+    doc["arrays"][name]["path"] = hostile
+    store.backend.fs.pipe_file(store.backend.path(path), restamp(doc))
+    return f"{path}: {name} -> {hostile}"
+
+
+#: At-rest damage a trial may inject after a crash, and how each is applied.
+_AT_REST = {
+    "bit flip at rest (chunk)": _corrupt_newest,
+    "bit flip at rest (manifest)": _flip_record_bit,
+    "array path out of the store (re-stamped)": _tamper_path,
+}
+
+
 def run_chaos(
     config: JobConfig,
     *,
@@ -115,7 +183,9 @@ def run_chaos(
 
     Each trial draws 1-3 crash points (any known point, at a random step), storage
     fault rates (transient errors, lost responses, slow writes) and, with probability
-    1/2, a bit flip at rest in the newest version after a crash. It runs the job to
+    1/2 after a crash, damage at rest to the newest version: a bit flip in one of its
+    chunks, a bit flip anywhere in its manifest, or an array path pointed outside the
+    store with every checksum re-stamped. Each must be detected on open. It runs the job to
     completion, resuming after each crash, and compares the trace with the golden one.
     """
     import tempfile
@@ -173,13 +243,14 @@ def run_chaos(
                 # at most one at-rest flip a trial: retention keeps only a few versions,
                 # and one of them must stay intact to recover from
                 if not done and not allow_fallback and rng.random() < 0.5:
-                    chunk = _corrupt_newest(store, rng)
-                    if chunk is not None:
-                        report.faults["bit flip at rest"] += 1
+                    kind = rng.choice(sorted(_AT_REST))
+                    where = _AT_REST[kind](store, rng)
+                    if where is not None:
+                        report.faults[kind] += 1
                         try:
                             store.latest()
                             report.undetected_corruptions += 1
-                            report.failures.append(f"trial {trial}: {chunk} damage not detected")
+                            report.failures.append(f"trial {trial}: {where} not detected")
                         except CorruptVersionError:
                             report.detected_corruptions += 1
                             # from now on resume from the newest valid version
@@ -284,4 +355,176 @@ def run_kill_chaos(
                         report.divergences += 1
                         report.failures.append(f"kill trial {trial}: final model differs")
                     break
+    return report
+
+
+#: Where a takeover trial freezes writer A: mid-step, mid-checkpoint, and inside the
+#: commit between its lease check and its manifest (the window fencing must close).
+_FREEZE_POINTS = [
+    "trainer.after_update",
+    "noise.after_gemv",
+    "checkpoint.before_array",
+    "checkpoint.after_arrays",
+    "checkpoint.before_manifest",
+]
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP), from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def local_s3_server() -> tuple[Any, dict[str, Any], str]:
+    """A real S3 endpoint on 127.0.0.1 (moto's server mode) with one bucket, for
+    takeover trials: (server, storage options, bucket). Stop it with `server.stop()`.
+
+    Raises:
+        ImportError: moto's server is not installed (the `test` extra has it).
+    """
+    import os
+    import socket
+
+    try:
+        import boto3
+        from moto.server import ThreadedMotoServer
+    except ImportError as exc:
+        raise ImportError(
+            "takeover trials need a local S3 server: pip install 'cocoon-ckpt[test]' "
+            f"(moto[server]) or pass an endpoint ({exc})"
+        ) from exc
+    for k, v in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing")):
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    bucket = "cocoon-chaos"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+    opts = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+    return server, opts, bucket
+
+
+def run_takeover_chaos(
+    train_args: list[str],
+    *,
+    trials: int,
+    seed: int,
+    storage_options: dict[str, Any],
+    bucket: str,
+    steps: int,
+    checkpoint_every: int,
+    report: ChaosReport | None = None,
+) -> ChaosReport:
+    """`trials` takeovers on S3: writer A (`cocoon-ckpt train <train_args>` in a
+    subprocess, `steps` steps checkpointed every `checkpoint_every`) runs and freezes
+    itself (SIGSTOP: a GC pause, a frozen VM) at a random crash point and step, writer B runs the same job with `--takeover` to
+    completion, and A is woken (SIGCONT). A must be fenced with a one-line error: no
+    manifest of A's lease generation may follow B's first one. B's final model must
+    equal an uninterrupted run's bit for bit. `train_args` must not name
+    --store/--key-file/--storage-options.
+    """
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    import torch
+
+    report = ChaosReport() if report is None else report
+    rng = random.Random(seed)
+    cmd = [sys.executable, "-m", "cocoon_ckpt", "train", *train_args, "--no-progress"]
+    opts = ["--storage-options", json.dumps(storage_options)]
+    ckpt_steps = sorted({*range(checkpoint_every, steps + 1, checkpoint_every), steps})
+
+    def export(store: str, out: str, extra: list[str]) -> dict[str, torch.Tensor]:
+        subprocess.run(
+            [sys.executable, "-m", "cocoon_ckpt", "export", store, "--out", out, *extra],
+            check=True,
+            capture_output=True,
+        )
+        return torch.load(out)  # type: ignore[no-any-return]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        key = f"{tmp}/noise.key"
+        subprocess.run(
+            [*cmd, "--store", f"{tmp}/gold.zarr", "--key-file", key],
+            check=True,
+            capture_output=True,
+        )
+        gold = export(f"{tmp}/gold.zarr", f"{tmp}/gold.pt", [])
+        for trial in range(trials):
+            report.takeover_trials += 1
+            url = f"s3://{bucket}/takeover-{seed}-{trial}-{uuid.uuid4().hex[:8]}.zarr"
+            run = [*cmd, "--store", url, "--key-file", key, *opts]
+            point = rng.choice(_FREEZE_POINTS)
+            step = (
+                rng.choice(ckpt_steps)
+                if point.startswith("checkpoint.")
+                else rng.randrange(checkpoint_every, steps)
+            )
+            env = {**os.environ, "COCOON_CRASH_AT": f"{point}:step={step}:stop"}
+            a = subprocess.Popen(run, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            # Wait until A has frozen itself at the point (a GC pause, a frozen VM, a
+            # partitioned host), let B take over and finish, then wake A.
+            deadline = time.monotonic() + 300
+            while a.poll() is None and not _stopped(a.pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            a_done_first = a.poll() is not None
+            b = subprocess.run([*run, "--takeover"], capture_output=True, text=True)
+            if not a_done_first:
+                a.send_signal(signal.SIGCONT)
+            try:
+                a.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                a.kill()
+                a.wait()
+            a_err = a.stderr.read().decode() if a.stderr else ""
+            if b.returncode != 0:
+                report.divergences += 1
+                report.failures.append(
+                    f"takeover trial {trial}: writer B exited {b.returncode}: {b.stderr.strip()}"
+                )
+                continue
+            report.faults[
+                "takeover after writer A finished"
+                if a_done_first
+                else f"takeover of writer A frozen at {point}, then A woken"
+            ] += 1
+            if a.returncode != 0:
+                # refused at its next begin or commit (fenced), or, woken inside the commit
+                # window, its manifest refused because B already created that version
+                report.fenced_writers += 1
+                if "Traceback" in a_err or len(a_err.strip().splitlines()) != 1:
+                    report.divergences += 1
+                    report.failures.append(
+                        f"takeover trial {trial}: A's error is not one line: {a_err!r}"
+                    )
+            report.resumes += 1
+            opened = Store.open(url, storage_options=storage_options, create=False)
+            opened.backend.fs.invalidate_cache()  # fsspec shares one cached instance
+            gens = [(v, opened.manifest(v).writer.get("generation")) for v in opened.versions()]
+            b_gen = max(g for _, g in gens)
+            first_b = min(v for v, g in gens if g == b_gen)
+            late = [v for v, g in gens if v > first_b and g != b_gen]
+            if late:
+                report.unfenced_commits += len(late)
+                report.failures.append(
+                    f"takeover trial {trial}: versions {late} committed by a superseded writer"
+                )
+            got = export(url, f"{tmp}/t{trial}.pt", opts)
+            if not all(torch.equal(gold[k], got[k]) for k in gold):
+                report.divergences += 1
+                report.failures.append(f"takeover trial {trial}: final model differs")
     return report

@@ -11,7 +11,8 @@ from state import hooks
 
 __all__ = ["ENV_VAR", "CrashPointHit", "arm_from_env", "crash_at", "disarm_all"]
 
-#: `COCOON_CRASH_AT="checkpoint.after_arrays:step=20"` arms a SIGKILL in a subprocess.
+#: `COCOON_CRASH_AT="checkpoint.after_arrays:step=20"` arms a SIGKILL in a subprocess;
+#: `...:step=20:stop` freezes it there instead (SIGSTOP).
 ENV_VAR = "COCOON_CRASH_AT"
 
 
@@ -29,18 +30,19 @@ def crash_at(
     name: str,
     *,
     step: int | None = None,
-    mode: Literal["raise", "kill"] = "raise",
+    mode: Literal["raise", "kill", "stop"] = "raise",
     after_hits: int = 0,
 ) -> None:
     """Arm crash point `name`: the first hit (after `after_hits` earlier ones) whose
-    step matches (any step when None) raises CrashPointHit, or with `mode="kill"`
-    SIGKILLs this process. Disarms itself once fired.
+    step matches (any step when None) raises CrashPointHit, with `mode="kill"`
+    SIGKILLs this process, or with `mode="stop"` freezes it (SIGSTOP: a GC pause, a
+    frozen VM; it goes on where it stood after SIGCONT). Disarms itself once fired.
 
     Raises:
         KeyError: `name` is not a known crash point (state.hooks.KNOWN_POINTS).
     """
-    if mode not in ("raise", "kill"):
-        raise ValueError(f"crash_at mode={mode!r} must be 'raise' or 'kill'")
+    if mode not in ("raise", "kill", "stop"):
+        raise ValueError(f"crash_at mode={mode!r} must be 'raise', 'kill' or 'stop'")
     remaining = [after_hits]
 
     def handler(point_name: str, ctx: Mapping[str, Any]) -> None:
@@ -52,6 +54,9 @@ def crash_at(
         hooks.disarm(point_name)
         if mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return
         raise CrashPointHit(point_name, ctx)
 
     hooks.arm(name, handler)
@@ -63,13 +68,21 @@ def disarm_all() -> None:
 
 
 def arm_from_env(environ: Mapping[str, str] | None = None) -> list[str]:
-    """Arm SIGKILL crash points listed in COCOON_CRASH_AT (`name[:step=N]`, comma
-    separated). Returns the names armed."""
+    """Arm crash points listed in COCOON_CRASH_AT (`name[:step=N][:stop]`, comma
+    separated): SIGKILL there, or with `:stop` freeze the process there (SIGSTOP).
+    Returns the names armed."""
     spec = (environ if environ is not None else os.environ).get(ENV_VAR, "")
     armed = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        name, _, arg = item.partition(":")
-        step = int(arg.removeprefix("step=")) if arg else None
-        crash_at(name, step=step, mode="kill")
+        name, *args = item.split(":")
+        step, mode = None, "kill"
+        for arg in args:
+            if arg == "stop":
+                mode = "stop"
+            elif arg.startswith("step="):
+                step = int(arg.removeprefix("step="))
+            else:
+                raise ValueError(f"{ENV_VAR}: {item!r} has {arg!r}; expected step=N or stop")
+        crash_at(name, step=step, mode=mode)  # type: ignore[arg-type]
         armed.append(name)
     return armed

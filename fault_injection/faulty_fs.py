@@ -219,6 +219,11 @@ class FaultyFileSystem(AbstractFileSystem):  # type: ignore[misc]
         if self._roll("lost_response", plan.lost_response):
             raise TimeoutError(f"faulty://{path}: injected lost response (the write landed)")
 
+    def invalidate_cache(self, path: str | None = None) -> None:
+        # The lease check clears cached listings before it probes (S3): pass it on, or a
+        # takeover through this wrapper would be judged from a stale listing.
+        self.target.invalidate_cache(path)
+
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         self.target.makedirs(self._strip_protocol(path), exist_ok=exist_ok)
 
