@@ -10,7 +10,7 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from state import (
     FormatVersionError,
@@ -409,6 +409,8 @@ def _chaos(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 storage_options=opts,
                 bucket=bucket,
+                steps=args.steps,
+                checkpoint_every=args.checkpoint_every,
                 report=report,
             )
         finally:
@@ -436,7 +438,10 @@ def _parser() -> argparse.ArgumentParser:
         help=f"logging level: {', '.join(_LOG_LEVELS)} (default WARNING; DEBUG also prints "
         "the traceback of an unexpected error)",
     )
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = cast(
+        "argparse._SubParsersAction[argparse.ArgumentParser]",
+        p.add_subparsers(dest="command", required=True),  # of _Parser: one-line errors too
+    )
     _add_train(sub)
     _add_export(sub)
     _add_inspect(sub)
@@ -559,10 +564,10 @@ _EMBEDDING_FLAGS = ("embedding", "threat_model", "hot_threshold")
 def _embedding(args: argparse.Namespace) -> Any:
     if all(getattr(args, k) is None for k in _EMBEDDING_FLAGS):
         return None
-    from .embedding.config import EmbeddingConfig
+    from .embedding.config import EmbeddingConfig, TableMode
 
     return EmbeddingConfig(
-        mode=args.embedding or "auto",
+        mode=TableMode(args.embedding or "auto"),
         threat_model=args.threat_model or "intermediate_iterates",
         hot_threshold=args.hot_threshold,
     )

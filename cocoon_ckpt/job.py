@@ -481,7 +481,7 @@ def _check_records(
     key, generator backend."""
     rec = latest.records
     try:
-        stored_cfg, stored_shapes = rec["config"], rec["model_shapes"]
+        stored_cfg, stored_shapes, generator = rec["config"], rec["model_shapes"], rec["generator"]
         cfgmod.check_resume(
             stored_cfg,
             record,
@@ -496,4 +496,4 @@ def _check_records(
             f"{store.url}: the noise key given does not match the key of version "
             f"{latest.version}; resuming would add unrelated noise. Use the job's own key"
         )
-    check_generator_backend(rec.get("generator"), allow_change=allow_generator_change)
+    check_generator_backend(generator, allow_change=allow_generator_change)
