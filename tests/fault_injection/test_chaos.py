@@ -9,28 +9,18 @@ from fault_injection.chaos import _AT_REST
 
 from ..cocoon_ckpt.conftest import job_config
 
-#: A seed whose trials draw every kind of damage at rest (found by trying seeds).
-_SEED, _SEED_TRIALS = 0, 8
-
 
 def test_seeded_chaos_sample_finds_nothing_wrong() -> None:
     report = run_chaos(job_config("mlp", bands=8, steps=24), trials=8, seed=7)
     assert report.ok, report.failures
     assert report.trials == 8 and report.resumes >= 8
     assert report.faults["storage: transient"] > 0
-    at_rest = sum(n for k, n in report.faults.items() if k in _AT_REST)
-    assert report.detected_corruptions == at_rest
+    # chunk flips, manifest flips, out-of-store paths with re-stamped checksums: each
+    # drawn, each detected on open
+    at_rest = {k: n for k, n in report.faults.items() if k in _AT_REST}
+    assert set(at_rest) == set(_AT_REST), at_rest
+    assert report.detected_corruptions == sum(at_rest.values())
     assert report.undetected_corruptions == 0 and report.lost_versions == 0
-
-
-def test_every_kind_of_damage_at_rest_is_drawn_and_detected() -> None:
-    """Chunk flips, manifest flips and out-of-store paths with re-stamped checksums are
-    each injected by the chaos run and each detected on open (0 undetected)."""
-    report = run_chaos(job_config("mlp", bands=4, steps=12), trials=_SEED_TRIALS, seed=_SEED)
-    assert report.ok, report.failures
-    drawn = {k: n for k, n in report.faults.items() if k in _AT_REST}
-    assert set(drawn) == set(_AT_REST), drawn
-    assert report.detected_corruptions == sum(drawn.values())
 
 
 def test_chaos_cli_json_and_exit_code() -> None:
