@@ -32,8 +32,8 @@ from numba import njit, prange
 __all__ = ["BLOCK_BYTES", "mix_into"]
 
 #: Bytes of accumulator per block: 8192 float32 / 4096 float64 columns, L1-resident.
-#: Measured with bench/noise_step.py on this machine: 8-32 KiB blocks are within noise
-#: of each other at b = 8..64; 8 KiB loses 5-10 % at b = 8.
+#: Measured on this machine (dim 4M, b = 8..64): blocks of 8-64 KiB are within the
+#: run-to-run noise of each other.
 BLOCK_BYTES = 32 * 1024
 
 
