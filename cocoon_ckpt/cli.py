@@ -84,6 +84,17 @@ def _storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
     return opts
 
 
+def _seed(text: str) -> int:
+    """argparse type of a seed: an integer >= 0 (a usage error otherwise, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; a seed is an integer >= 0")
+    return value
+
+
 def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "train",
@@ -209,6 +220,14 @@ def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         action="store_true",
         help="write checkpoints in the foreground (default: background thread)",
     )
+    p.add_argument(
+        "--lease-expiry",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="the writer lease of a holder on another host counts as dead this long after "
+        f"its last renewal (default {JobConfig.__dataclass_fields__['lease_expiry_s'].default})",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
@@ -271,9 +290,10 @@ def _add_audit(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument(
         "--seed",
-        type=int,
+        type=_seed,
         default=None,
-        help="seed of the coordinate choice (default: random, printed, so a run can be repeated)",
+        help="seed of the coordinate choice, >= 0 (default: random, printed, so a run can be "
+        "repeated)",
     )
     p.add_argument("--plot", default=None, metavar="DIR", help="also write PNG plots to DIR")
     which = p.add_mutually_exclusive_group()
@@ -518,6 +538,8 @@ def _train_config(args: argparse.Namespace) -> tuple[JobConfig, str]:
             rec["async_checkpoint"] = False
         if args.overlap_noise:
             rec["overlap_noise"] = True
+        if args.lease_expiry is not None:
+            rec["lease_expiry_s"] = args.lease_expiry
         tiers = _tiers(args)
         if tiers is not None:
             rec["tiers"] = tiers.to_record()
@@ -554,6 +576,7 @@ def _train_config(args: argparse.Namespace) -> tuple[JobConfig, str]:
         tiers=_tiers(args),
         embedding=_embedding(args),
         overlap_noise=args.overlap_noise,
+        **({} if args.lease_expiry is None else {"lease_expiry_s": args.lease_expiry}),
     )
     return config, args.store or f"runs/{example or 'job'}.zarr"
 

@@ -27,7 +27,15 @@ _S = TypeVar("_S")
 
 #: Fields a resume may change: they affect neither the noise nor the parameters.
 HARMLESS_FIELDS = frozenset(
-    {"checkpoint_every", "keep_last", "async_checkpoint", "log_level", "tile_rows", "overlap_noise"}
+    {
+        "checkpoint_every",
+        "keep_last",
+        "async_checkpoint",
+        "log_level",
+        "tile_rows",
+        "overlap_noise",
+        "lease_expiry_s",
+    }
 )
 _MECHANISMS = tuple(m.value for m in MechanismKind)
 _LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "NOTSET")
@@ -120,6 +128,10 @@ class JobConfig:
     """Write checkpoints in a background thread (harmless)."""
     log_level: str = "WARNING"
     """Logging level (harmless)."""
+    lease_expiry_s: float = 60.0
+    """Seconds after its last renewal that the writer lease of a holder on another host
+    counts as dead, so a job restarted elsewhere resumes without takeover; the holder
+    renews it every third of that (harmless)."""
     tiers: TierConfig | None = None
     """Where the noise history lives (device, host, far); None: all on the host
     (harmless: the noise is bit-identical on any tiers)."""
@@ -151,6 +163,13 @@ class JobConfig:
         valid.integer("JobConfig.keep_last", self.keep_last, 2, valid.MAX_COUNT)
         valid.boolean("JobConfig.async_checkpoint", self.async_checkpoint)
         valid.boolean("JobConfig.overlap_noise", self.overlap_noise)
+        valid.positive_real("JobConfig.lease_expiry_s", self.lease_expiry_s)
+        valid.check(
+            self.lease_expiry_s <= 86400,
+            "JobConfig.lease_expiry_s",
+            self.lease_expiry_s,
+            "be at most 86400 (a day): a dead holder's lease would block resumes that long",
+        )
         valid.text("JobConfig.log_level", self.log_level)
         valid.check(
             self.log_level.upper() in _LOG_LEVELS,

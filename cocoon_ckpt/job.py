@@ -363,7 +363,7 @@ def _start(
                 if store is None:
                     store = Store.open(store_url, storage_options=storage_options, fs=fs)
                 if store.lease is None:
-                    store.acquire_lease(takeover=takeover)
+                    store.acquire_lease(takeover=takeover, expiry_s=config.lease_expiry_s)
                 if store.versions()[-1:] == seen[-1:]:
                     if latest is None:
                         save_key(store, key_file, key)

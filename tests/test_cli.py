@@ -207,6 +207,9 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(
         ),
         (("gc", str(store), "--keep", "1"), "--keep=1 must be >= 2"),
         (("audit", str(store), "--coordinates", "0"), "coordinates=0"),
+        (("audit", str(store), "--seed", "-1"), "a seed is an integer >= 0"),
+        ((*train, "--store", fresh, "--lease-expiry", "0"), "JobConfig.lease_expiry_s=0.0"),
+        ((*train, "--store", fresh, "--lease-expiry", "1e9"), "at most 86400"),
         (("--log-level", "BOGUS", "inspect", str(store)), "'BOGUS' is not one of"),
         (("train", "--steps", "many"), "invalid int value"),
         ((*train, "--store", fresh, "--lr", "inf"), "Expected JobConfig.lr=inf to be finite"),
@@ -313,3 +316,19 @@ def test_train_on_far_tier_and_inspect_shows_placement(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["far.zarr"]  # the far folder is gone
     bad = _run("train", "--store", store, "--tiers", '{"hots_bytes": 1}', "--no-progress")
     assert bad.returncode == 2 and "--tiers" in bad.stderr and "TierConfig" in bad.stderr
+
+
+def test_lease_expiry_reaches_the_writer_lease(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--lease-expiry is what the lease record carries (what another host judges by),
+    and a resume may change it (harmless)."""
+    store = str(tmp_path / "s.zarr")
+    small = ("--steps", "4", "--bands", "2", "--checkpoint-every", "2", "--no-progress")
+    assert main(["train", "--store", store, *small, "--lease-expiry", "7.5"]) == 0
+    leases = sorted((tmp_path / "s.zarr" / "leases").glob("*.json"))
+    assert json.loads(leases[-1].read_text())["expiry_s"] == 7.5
+    assert main(["train", "--store", store, *small, "--lease-expiry", "30"]) == 0
+    leases = sorted((tmp_path / "s.zarr" / "leases").glob("*.json"))
+    assert json.loads(leases[-1].read_text())["expiry_s"] == 30
+    capsys.readouterr()
