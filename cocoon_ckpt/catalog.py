@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from state import CorruptVersionError, Manifest, Store
+from state import CorruptVersionError, FormatVersionError, Manifest, Store
+from state.manifest import manifest_path
 
 from .guarantee import describe
 from .layout import KEY_SECRET, THREAT_MODEL_DEFAULT, THREAT_MODELS, array_kind
@@ -242,14 +243,22 @@ def collect_garbage(
     keep: int,
     storage_options: dict[str, Any] | None = None,
     takeover: bool = False,
+    discard_damaged: bool = False,
 ) -> dict[str, Any]:
     """Delete every version but the `keep` newest (and the newest valid one), and
     whatever no kept manifest references. Takes the writer lease, so it never races
     a running job.
 
+    Args:
+        discard_damaged: also delete versions whose manifest fails to verify, with every
+            array only they reference (otherwise such a version stops gc, deleting nothing:
+            its arrays may be what a repair needs).
+
     Raises:
         ValueError: keep < 2.
         LeaseHeldError: a job is writing to the store.
+        CorruptVersionError: a manifest fails to verify and `discard_damaged` is off;
+            nothing was deleted.
     """
     if keep < 2:
         raise ValueError(f"--keep={keep} must be >= 2 (the newest two versions always stay)")
@@ -266,9 +275,25 @@ def collect_garbage(
         return out
 
     bytes_before = _referenced_bytes(readable(before))
+    if not discard_damaged:
+        # refused before the lease is taken: a refused gc writes nothing
+        for v in before:
+            try:
+                store.manifest(v)
+            except (CorruptVersionError, FormatVersionError) as exc:
+                msg = (
+                    f"{url}: gc stopped, nothing was deleted: {exc}; repair or move away "
+                    f"{manifest_path(v)}, or rerun with --discard-damaged to delete that "
+                    "version and the arrays only it references"
+                )
+                if isinstance(exc, CorruptVersionError):
+                    raise CorruptVersionError(
+                        msg, version=exc.version, path=exc.path, record=exc.record
+                    ) from None
+                raise FormatVersionError(msg) from None
     store.acquire_lease(takeover=takeover)
     try:
-        deleted = store.retain(keep_last=keep)
+        deleted = store.retain(keep_last=keep, discard_damaged=discard_damaged)
     finally:
         store.release_lease()
     after = store.versions()

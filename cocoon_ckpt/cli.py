@@ -341,6 +341,12 @@ def _add_gc(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--takeover", action="store_true", help="take the lease even if its holder looks alive"
     )
+    p.add_argument(
+        "--discard-damaged",
+        action="store_true",
+        help="also delete versions whose manifest fails to verify and the arrays only they "
+        "reference (without it a damaged manifest stops gc and nothing is deleted)",
+    )
     _add_storage_options(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
@@ -793,7 +799,11 @@ def _gc(args: argparse.Namespace) -> int:
     from .catalog import collect_garbage
 
     out = collect_garbage(
-        args.url, keep=args.keep, storage_options=_storage_options(args), takeover=args.takeover
+        args.url,
+        keep=args.keep,
+        storage_options=_storage_options(args),
+        takeover=args.takeover,
+        discard_damaged=args.discard_damaged,
     )
     if args.json:
         print(json.dumps(out))

@@ -332,3 +332,29 @@ def test_lease_expiry_reaches_the_writer_lease(
     leases = sorted((tmp_path / "s.zarr" / "leases").glob("*.json"))
     assert json.loads(leases[-1].read_text())["expiry_s"] == 30
     capsys.readouterr()
+
+
+def test_gc_stops_on_a_damaged_manifest_unless_told_to_discard_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = tmp_path / "s.zarr"
+    small = ("--steps", "8", "--bands", "2", "--checkpoint-every", "2", "--no-progress")
+    assert main(["train", "--store", str(store), *small]) == 0
+    manifests = sorted((store / "manifests").glob("*.json"))
+    assert len(manifests) == 3
+    oldest = manifests[0]
+    data = bytearray(oldest.read_bytes())
+    data[len(data) // 2] ^= 0x04  # one bit, in the middle of its records
+    oldest.write_bytes(bytes(data))
+    capsys.readouterr()
+    before = _tree(tmp_path)
+    code, out, err = _main(capsys, "gc", str(store), "--keep", "2")
+    assert code == 1 and err.count("\n") == 1, err
+    assert f"version {int(oldest.stem)}" in err and "nothing was deleted" in err, err
+    assert _tree(tmp_path) == before
+    code, out, err = _main(capsys, "gc", str(store), "--keep", "2", "--discard-damaged", "--json")
+    assert code == 0, err
+    assert json.loads(out)["versions_kept"] == [int(m.stem) for m in manifests[1:]]
+    assert not oldest.exists()
+    code, out, err = _main(capsys, "audit", str(store), "--seed", "0")
+    assert code == 0, out + err
