@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import crc32c
@@ -23,7 +24,14 @@ import zarr
 from .backend import Backend
 from .checksum import array_checksum
 
-__all__ = ["CHUNK_BYTES", "read_array", "write_array"]
+__all__ = [
+    "CHUNK_BYTES",
+    "ZARR_DATA_TYPES",
+    "array_metadata",
+    "default_dimension_names",
+    "read_array",
+    "write_array",
+]
 
 #: Target chunk size. Large enough that per-chunk overhead vanishes against the bytes,
 #: small enough that a damaged chunk names a small region.
@@ -76,19 +84,51 @@ def _rows(arr: np.ndarray) -> np.ndarray:
     return arr.reshape(1, 1) if arr.ndim == 0 else arr.reshape(arr.shape[0], -1)
 
 
+#: The zarr v3 core data types, by numpy name: the dtypes this module writes.
+ZARR_DATA_TYPES = frozenset(
+    ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
+    + ["float16", "float32", "float64", "complex64", "complex128"]
+)
+
+
+def default_dimension_names(name: str, ndim: int) -> list[str]:
+    """`<leaf>:<axis>` for each axis of array `name` (leaf: its last path component).
+
+    xarray opens a zarr group only when every array names its dimensions, and refuses
+    a group where one name has two sizes: `dim_0` for every array would make the 64
+    of a weight and the 4 of a bias collide. Names unique to each array never do, and
+    `:` is outside the characters of an array name, so a dimension never takes the
+    name of a neighbouring array (which xarray would read as a coordinate).
+    """
+    leaf = name.rsplit("/", 1)[-1]
+    return [f"{leaf}:{axis}" for axis in range(ndim)]
+
+
+def _fill_value(dtype: np.dtype[Any]) -> Any:
+    """Zero as zarr v3 spells it for `dtype`: a complex fill is a [real, imag] pair."""
+    if dtype.kind == "b":
+        return False
+    if dtype.kind == "c":
+        return [0.0, 0.0]
+    return 0.0 if dtype.kind == "f" else 0
+
+
 def array_metadata(
-    shape: tuple[int, ...], dtype: np.dtype[Any], chunks: tuple[int, ...]
+    shape: tuple[int, ...],
+    dtype: np.dtype[Any],
+    chunks: tuple[int, ...],
+    dimension_names: list[str],
 ) -> dict[str, Any]:
     """The zarr v3 array metadata (zarr.json) of an array this module writes."""
-    fill: Any = False if dtype.kind == "b" else (0.0 if dtype.kind in "fc" else 0)
     return {
         "shape": list(shape),
         "data_type": dtype.name,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-        "fill_value": fill,
+        "fill_value": _fill_value(dtype),
         "codecs": _expected_codecs(dtype),
         "attributes": {},
+        "dimension_names": list(dimension_names),
         "zarr_format": 3,
         "node_type": "array",
         "storage_transformers": [],
@@ -110,7 +150,12 @@ def ensure_groups(backend: Backend, group: str, name: str, done: set[str]) -> No
 
 
 def write_array(
-    backend: Backend, group: str, name: str, array: np.ndarray
+    backend: Backend,
+    group: str,
+    name: str,
+    array: np.ndarray,
+    *,
+    dimension_names: Sequence[str] | None = None,
 ) -> tuple[str, tuple[int, ...]]:
     """Write `array` as the new zarr array `<group>/<name>` (fails if it exists).
 
@@ -120,14 +165,37 @@ def write_array(
 
     The parent groups' metadata is the caller's (`ensure_groups`).
 
+    Args:
+        dimension_names: one name per axis for zarr.json (xarray needs them); default
+            `default_dimension_names(name, ndim)`.
+
     Returns:
         The `crc32c:` checksum of the whole array's C-order bytes, and the chunk shape.
+
+    Raises:
+        TypeError: the dtype is not a zarr v3 core data type (nothing is written).
+        ValueError: `dimension_names` does not hold one string per axis (nothing is
+            written).
     """
     arr = np.asarray(array, order="C")
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
+    if arr.dtype.name not in ZARR_DATA_TYPES:
+        raise TypeError(
+            f"array {group}/{name}: dtype {arr.dtype} is not a zarr v3 data type; "
+            f"convert it to one of {', '.join(sorted(ZARR_DATA_TYPES))}"
+        )
+    if dimension_names is None:
+        names = default_dimension_names(name, arr.ndim)
+    else:
+        names = list(dimension_names)
+        if len(names) != arr.ndim or not all(isinstance(n, str) for n in names):
+            raise ValueError(
+                f"array {group}/{name}: dimension_names={names!r} must hold one string "
+                f"per axis of its shape {arr.shape}"
+            )
     chunks = _chunks(arr.shape, arr.dtype.itemsize)
-    meta = array_metadata(arr.shape, arr.dtype, chunks)
+    meta = array_metadata(arr.shape, arr.dtype, chunks, names)
     _write_file(backend, f"{group}/{name}/zarr.json", [json.dumps(meta).encode()], exclusive=True)
     n_chunks, rows = _layout(arr.shape, chunks)
     array_crc = 0
