@@ -53,6 +53,10 @@ __all__ = [
 
 log = logging.getLogger("cocoon_ckpt.checkpoint")
 
+ASYNC_FLUSH = hooks.declare(
+    "checkpoint.async_flush", "in the background writer, before it starts a version"
+)
+
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().contiguous().numpy().copy()
@@ -290,7 +294,7 @@ class Checkpointer:
         return manifest  # type: ignore[no-any-return]
 
     def _write(self, snap: Snapshot) -> Manifest:
-        hooks.point("checkpoint.async_flush", step=snap.step)
+        hooks.point(ASYNC_FLUSH, step=snap.step)
         return self._commit(self._begin(snap), snap)
 
     def _begin(self, snap: Snapshot) -> Transaction:

@@ -34,6 +34,10 @@ BLOCK = 1 << 16
 GENERATOR_BACKEND = "torch-mt19937-blake2b-block65536/v1"
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
+BEFORE_FRESH = hooks.declare("noise.before_fresh", "before fresh noise z_t is drawn")
+AFTER_FRESH = hooks.declare("noise.after_fresh", "after z_t is drawn, before the GEMV")
+AFTER_GEMV = hooks.declare("noise.after_gemv", "after the history GEMV, before the ring is updated")
+
 
 def generator_backend() -> dict[str, str]:
     """The generator backend record: scheme plus the torch build that realises it
@@ -210,14 +214,14 @@ class CorrelatedNoise:
             w_t[start:stop], shape (width,), a fresh tensor (not a view of the ring).
         """
         t = self.t
-        hooks.point("noise.before_fresh", step=t)
+        hooks.point(BEFORE_FRESH, step=t)
         z = self.fresh_noise.fresh(t, self.start, self.stop)
-        hooks.point("noise.after_fresh", step=t)
+        hooks.point(AFTER_FRESH, step=t)
         slots = self.mechanism.bands - 1
         if slots:
             # Each tier computes its columns where they lie, in one order of rounding.
             hist = torch.from_numpy(self.history.gemv(self.mechanism.mixing_vector(t)))
-            hooks.point("noise.after_gemv", step=t)
+            hooks.point(AFTER_GEMV, step=t)
             w = (z - hist) / self._c0
             self.history.write(t % slots, w.numpy())
             self.slot_steps[t % slots] = t

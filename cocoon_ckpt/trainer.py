@@ -30,6 +30,8 @@ from .tiers.config import TierConfig
 
 __all__ = ["DPTrainer", "StepResult", "build_mechanism"]
 
+AFTER_UPDATE = hooks.declare("trainer.after_update", "after the optimizer step of step t")
+
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -309,7 +311,7 @@ class DPTrainer:
                 self.embedding.finish()  # tails: the final model carries all its noise
         self.accountant.step()
         self.step_index = t + 1
-        hooks.point("trainer.after_update", step=t)
+        hooks.point(AFTER_UPDATE, step=t)
         return StepResult(step=t, loss=loss, batch_size=len(batch))
 
     def _params(self) -> list[nn.Parameter]:

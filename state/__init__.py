@@ -4,8 +4,8 @@ Knows arrays, JSON records, versions, checksums, leases and retention; knows not
 about privacy or torch.
 """
 
-from . import hooks
-from .backend import Backend, Capabilities
+from . import hooks, paths
+from .backend import Backend, Capabilities, open_backend
 from .checksum import array_checksum
 from .errors import (
     CommitConflictError,
@@ -19,10 +19,15 @@ from .errors import (
     UnsafePathError,
     VersionNotFoundError,
 )
+from .fsspec_backend import FsspecBackend
 from .lease import Lease
+from .local_backend import LocalBackend
 from .manifest import FORMAT_VERSION, ArrayMeta, Manifest, restamp
+from .retention import KeepEvery, KeepLast, KeepVersions, OnDamage, RetentionPolicy
 from .retry import RetryPolicy, is_transient
-from .store import ShardWriter, Store, Transaction, Version
+from .store import Store
+from .transaction import ShardWriter, Transaction
+from .version import Version
 
 __all__ = [
     "FORMAT_VERSION",
@@ -33,10 +38,17 @@ __all__ = [
     "CorruptVersionError",
     "FencedError",
     "FormatVersionError",
+    "FsspecBackend",
+    "KeepEvery",
+    "KeepLast",
+    "KeepVersions",
     "Lease",
     "LeaseHeldError",
+    "LocalBackend",
     "Manifest",
     "NotAStoreError",
+    "OnDamage",
+    "RetentionPolicy",
     "RetryPolicy",
     "ShardWriter",
     "Store",
@@ -49,5 +61,7 @@ __all__ = [
     "array_checksum",
     "hooks",
     "is_transient",
+    "open_backend",
+    "paths",
     "restamp",
 ]

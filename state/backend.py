@@ -5,30 +5,30 @@ must offer create-if-absent: local disk does it with temp file + fsync + `os.lin
 (link fails if the target exists; rename would silently overwrite), object stores with
 one conditional PUT (`pipe_file(..., mode="create")`, If-None-Match on S3). fsspec's
 rename on object stores is copy + delete and is never used for a commit.
+
+`Backend` is the contract and what every backend shares (retried reads through
+fsspec, the guarded exclusive create); `LocalBackend` (state.local_backend) and
+`FsspecBackend` (state.fsspec_backend) implement the writes. `Backend(url, ...)` picks
+one from the URL's filesystem, as `pathlib.Path` picks its flavour.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
-import os
-import uuid
+import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import fsspec
-import zarr.storage
-from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
 from zarr.abc.store import Store as ZarrStore
 
 from .errors import StoreError
 from .retry import RetryPolicy
 
-__all__ = ["Backend", "Capabilities"]
+__all__ = ["Backend", "Capabilities", "open_backend"]
 
-# Protocols whose create-if-absent is known to be atomic and exclusive.
-_FSYNC_THREADS = 8
-_EXCLUSIVE_PROTOCOLS = {"file", "local", "memory", "s3", "s3a"}
+#: Protocols served by `LocalBackend`.
+LOCAL_PROTOCOLS = frozenset({"file", "local"})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,8 +43,24 @@ class Capabilities:
     """POSIX modes apply (owner-only files are meaningful)."""
 
 
-class Backend:
+def _resolve(
+    url: str, storage_options: dict[str, Any], fs: fsspec.AbstractFileSystem | None
+) -> tuple[fsspec.AbstractFileSystem, str]:
+    if fs is None:
+        fs, root = fsspec.core.url_to_fs(url, **storage_options)
+        return fs, str(root)
+    return fs, str(fs._strip_protocol(url))
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    return tuple(fs.protocol) if isinstance(fs.protocol, tuple) else (str(fs.protocol),)
+
+
+class Backend(abc.ABC):
     """A store root behind an fsspec URL.
+
+    Calling `Backend(url, ...)` itself builds the subclass for the URL's filesystem
+    (`open_backend`); subclasses are built directly too.
 
     Args:
         url: a local path, `file://`, `memory://`, `s3://`, or any fsspec URL.
@@ -53,6 +69,23 @@ class Backend:
             (the fault injector's wrapper); `url` then names the path inside it.
         retry: policy for transient errors of idempotent operations.
     """
+
+    #: Local disk: zarr chunks are written with os calls, paths resolve through links.
+    local: bool = False
+    capabilities: Capabilities
+
+    def __new__(
+        cls,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        fs: fsspec.AbstractFileSystem | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> Backend:
+        if cls is Backend:
+            options = dict(storage_options or {})
+            resolved, _ = _resolve(url, options, fs)
+            cls = _backend_class(resolved)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -65,22 +98,17 @@ class Backend:
         #: Retries the idempotent operations below. `create_exclusive` is not retried
         #: here: only its caller can tell its own landed create from someone else's.
         self.retry = retry or RetryPolicy()
-        if fs is None:
-            fs, root = fsspec.core.url_to_fs(url, **self.storage_options)
-        else:
-            root = fs._strip_protocol(url)
+        fs, root = _resolve(url, self.storage_options, fs)
         self.fs: fsspec.AbstractFileSystem = fs
-        protos = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-        self.protocol: str = protos[0]
-        self.local = self.protocol in ("file", "local")
+        self.protocols = _protocols(fs)
+        self.protocol: str = self.protocols[0]
         self.root: str = root.rstrip("/") if root != "/" else root
         self.url = url
-        exclusive = bool(set(protos) & _EXCLUSIVE_PROTOCOLS) or bool(
-            getattr(fs, "cocoon_exclusive_create", False)
-        )
-        self.capabilities = Capabilities(
-            exclusive_create=exclusive, fsync=self.local, permissions=self.local
-        )
+        self.capabilities = self._capabilities()
+
+    @abc.abstractmethod
+    def _capabilities(self) -> Capabilities:
+        """This backend's flags (called once, at construction)."""
 
     # paths -----------------------------------------------------------------------
     def path(self, rel: str) -> str:
@@ -88,7 +116,16 @@ class Backend:
         return f"{self.root}/{rel}" if rel else self.root
 
     def __repr__(self) -> str:
-        return f"Backend({self.url!r})"
+        return f"{type(self).__name__}({self.url!r})"
+
+    def root_is_file(self) -> bool:
+        """Whether the root is a plain file (no store can be made there)."""
+        return False
+
+    def escaping_link(self, rel: str) -> str | None:
+        """The first of `rel` and the links under it that resolves outside the root, or
+        None. Only local disk has links; elsewhere a path's form is all there is."""
+        return None
 
     # reads -----------------------------------------------------------------------
     def exists(self, rel: str) -> bool:
@@ -137,55 +174,33 @@ class Backend:
         self.invalidate(rel)
         return self.listdir(rel)
 
+    # writes ----------------------------------------------------------------------
+    @abc.abstractmethod
     def replace(self, rel: str, data: bytes) -> None:
         """Write small owner-only bytes at `rel`, replacing what is there, atomically: a
-        reader sees the old or the new bytes, never a mix (local disk: temp file + rename;
-        object stores: one PUT). For objects rewritten in place, such as a lease's
-        heartbeat; never for anything a manifest references (those are write-once)."""
-        if not self.local:
-            self.retry.call(lambda: self.fs.pipe_file(self.path(rel), data))
-            return
-        final = self.path(rel)
-        tmp = f"{final}.{uuid.uuid4().hex}.partial"
-        self._write_local_durable(tmp, data, private=True)
-        try:
-            os.replace(tmp, final)
-        except OSError:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        reader sees the old or the new bytes, never a mix. For objects rewritten in
+        place, such as a lease's heartbeat; never for anything a manifest references
+        (those are write-once)."""
 
-    # writes ----------------------------------------------------------------------
+    @abc.abstractmethod
     def makedirs(self, rel: str, *, private: bool = True) -> None:
-        """Create folder `rel` and its missing parents. On local disk every folder this
-        creates is owner-only (0700) whatever the umask; `private` is kept for callers
-        and changes nothing (there is no shared mode)."""
-        path = self.path(rel)
-        if self.local:
-            _makedirs_private(path)
-        else:
-            self.retry.call(lambda: self.fs.makedirs(path, exist_ok=True))
+        """Create folder `rel` and its missing parents (owner-only where modes apply;
+        `private` is kept for callers and changes nothing: there is no shared mode)."""
 
+    @abc.abstractmethod
     def write_once(self, rel: str, data: bytes, *, private: bool = False) -> None:
-        """Write a file at a path that is never overwritten once it is referenced.
+        """Write a file at a path that is never overwritten once it is referenced; a
+        crash leaves either nothing or the whole file (plus at most a `.partial`
+        leftover). Every file of a store is owner-only, whatever `private` says."""
 
-        Local disk: temp file, fsync, rename into place, fsync the folder, so a crash
-        leaves either nothing or the whole file (plus at most a `.partial` leftover).
-        The file is 0600 whatever `private` says (every file of a store is owner-only).
-        """
-        if not self.local:
-            self.retry.call(lambda: self.fs.pipe_file(self.path(rel), data))
-            return
-        final = self.path(rel)
-        parent = os.path.dirname(final)
-        _makedirs_private(parent)
-        tmp = f"{final}.{uuid.uuid4().hex}.partial"
-        self._write_local_durable(tmp, data)
-        os.replace(tmp, final)
-        _fsync_path(parent)
-
-    def create_exclusive(self, rel: str, data: bytes, on_temp_durable: Any = None) -> None:
+    def create_exclusive(
+        self, rel: str, data: bytes, on_temp_durable: Callable[[], None] | None = None
+    ) -> None:
         """Create `rel` with `data` only if it does not exist: the commit primitive.
+
+        Args:
+            on_temp_durable: called once the bytes are durable but not yet visible
+                (local disk: the temp file; a crash point).
 
         Raises:
             FileExistsError: `rel` already exists (someone else's, or ours from a try
@@ -197,24 +212,17 @@ class Backend:
                 f"{self.url}: protocol {self.protocol!r} offers no atomic create-if-absent, "
                 "so a commit cannot be made safe; use a local path, memory:// or s3://"
             )
-        if not self.local:
-            self.fs.pipe_file(self.path(rel), data, mode="create")
-            return
-        final = self.path(rel)
-        parent = os.path.dirname(final)
-        _makedirs_private(parent)
-        tmp = f"{final}.{uuid.uuid4().hex}.partial"
-        self._write_local_durable(tmp, data)
-        try:
-            if on_temp_durable is not None:
-                on_temp_durable()
-            os.link(tmp, final)  # atomic, and fails if `final` exists: never overwrites
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        _fsync_path(parent)
+        self._create_exclusive(rel, data, on_temp_durable)
 
-    def create_once(self, rel: str, data: bytes, on_temp_durable: Any = None) -> None:
+    @abc.abstractmethod
+    def _create_exclusive(
+        self, rel: str, data: bytes, on_temp_durable: Callable[[], None] | None
+    ) -> None:
+        """`create_exclusive` once its capability is checked."""
+
+    def create_once(
+        self, rel: str, data: bytes, on_temp_durable: Callable[[], None] | None = None
+    ) -> None:
         """`create_exclusive`, retried on transient errors. A create whose response was
         lost is recognised on the retry by reading the object back: identical bytes are
         our own (every caller's bytes are unique: a write id, an owner, a random key).
@@ -233,98 +241,44 @@ class Backend:
         self.retry.call(attempt)
 
     def rm(self, rel: str, *, recursive: bool = False) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        try:
             self.retry.call(lambda: self.fs.rm(self.path(rel), recursive=recursive))
+        except FileNotFoundError:
+            pass
 
+    @abc.abstractmethod
     def fsync_tree(self, rel: str) -> None:
-        """fsync every file and folder under `rel` and `rel`'s parents up to the root.
+        """Make every file and folder under `rel` durable where the storage needs us to
+        (`capabilities.fsync`); object stores are durable once a PUT returns."""
 
-        zarr never fsyncs; without this a power loss can lose acknowledged chunks. The
-        fsyncs are issued from several threads at once: the filesystem journal then
-        commits them together instead of once per file. Files go before their folders.
-        """
-        if not self.capabilities.fsync:
-            return
-        top = self.path(rel)
-        files: list[str] = []
-        folders: list[str] = []
-        for dirpath, _dirnames, filenames in os.walk(top):
-            files.extend(os.path.join(dirpath, name) for name in filenames)
-            folders.append(dirpath)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=_FSYNC_THREADS) as pool:
-            list(pool.map(_fsync_path, files))
-            list(pool.map(_fsync_path, folders))
-        parent = os.path.dirname(top)
-        while len(parent) >= len(self.root):
-            _fsync_path(parent)
-            if parent == self.root:
-                break
-            parent = os.path.dirname(parent)
-
+    @abc.abstractmethod
     def chmod_private(self, rel: str) -> None:
-        """Owner-only permissions on a local file or folder (0600 / 0700)."""
-        if not self.capabilities.permissions:
-            return
-        path = self.path(rel)
-        os.chmod(path, 0o700 if os.path.isdir(path) else 0o600)
+        """Owner-only permissions on a file or folder where modes apply."""
 
+    @abc.abstractmethod
     def zarr_store(self, rel: str) -> ZarrStore:
         """A zarr store rooted at `rel`, for zarr's own reads and writes."""
-        if self.local:
-            return zarr.storage.LocalStore(self.path(rel))
-        if self.protocol in ("s3", "s3a"):
-            # zarr builds its own async s3fs from the URL: handing it our sync instance
-            # breaks on event loops.
-            url = self.url.rstrip("/") + (f"/{rel}" if rel else "")
-            return zarr.storage.FsspecStore.from_url(url, storage_options=self.storage_options)
-        fs = (
-            self.fs
-            if getattr(self.fs, "async_impl", False)
-            else AsyncFileSystemWrapper(self.fs, asynchronous=True)
-        )
-        return zarr.storage.FsspecStore(fs, path=self.path(rel))
-
-    @staticmethod
-    def _write_local_durable(path: str, data: bytes, *, private: bool = True) -> None:
-        """Create `path` (0600 whatever the umask and `private`: the noise history and
-        the model are as secret as the key), write `data` and fsync it."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.fchmod(fd, 0o600)  # open's mode is masked by the umask; fchmod's is not
-            view = memoryview(data)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
-def _makedirs_private(path: str) -> None:
-    """`os.makedirs(path, exist_ok=True)`, but every folder it creates is 0700: makedirs
-    gives the parents it creates the umask's mode, and a mkdir mode is masked by it."""
-    if os.path.isdir(path):
-        return
-    missing = []
-    here = os.path.abspath(path)
-    while not os.path.exists(here):
-        missing.append(here)
-        up = os.path.dirname(here)
-        if up == here:
-            break
-        here = up
-    for folder in reversed(missing):
-        try:
-            os.mkdir(folder, 0o700)
-        except FileExistsError:
-            continue  # made at the same moment by another writer of this store
-        os.chmod(folder, 0o700)
+def _backend_class(fs: fsspec.AbstractFileSystem) -> type[Backend]:
+    if set(_protocols(fs)) & LOCAL_PROTOCOLS:
+        from .local_backend import LocalBackend
+
+        return LocalBackend
+    from .fsspec_backend import FsspecBackend
+
+    return FsspecBackend
 
 
-def _fsync_path(path: str) -> None:
-    """fsync a file or a folder (a folder's fsync makes its new entries durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def open_backend(
+    url: str,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    fs: fsspec.AbstractFileSystem | None = None,
+    retry: RetryPolicy | None = None,
+) -> Backend:
+    """The backend for `url`: `LocalBackend` for local paths and `file://`,
+    `FsspecBackend` for every other fsspec filesystem (memory://, s3://, faulty://).
+    `Backend(url, ...)` does the same."""
+    resolved, _ = _resolve(url, dict(storage_options or {}), fs)
+    return _backend_class(resolved)(url, storage_options, fs=fs, retry=retry)

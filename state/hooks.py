@@ -11,28 +11,40 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["KNOWN_POINTS", "arm", "armed", "disarm", "disarm_all", "point"]
+__all__ = ["KNOWN_POINTS", "arm", "armed", "declare", "disarm", "disarm_all", "point"]
 
 Handler = Callable[[str, Mapping[str, Any]], None]
 
-#: Every crash point the library calls, with where it sits.
-KNOWN_POINTS: dict[str, str] = {
-    "noise.before_fresh": "before fresh noise z_t is drawn",
-    "noise.after_fresh": "after z_t is drawn, before the GEMV",
-    "noise.after_gemv": "after the history GEMV, before the ring is updated",
-    "trainer.after_update": "after the optimizer step of step t",
-    "checkpoint.before_array": "before one array of a version is written",
-    "checkpoint.after_array": "after one array of a version is written",
-    "checkpoint.after_arrays": "after every array of a version is durable",
-    "checkpoint.shard_done": "multi-process: a rank's arrays are durable, before the barrier",
-    "checkpoint.before_manifest": "before the manifest (commit record) is written",
-    "checkpoint.after_manifest_temp": "local disk: temp manifest durable, not yet linked",
-    "checkpoint.after_manifest": "after the manifest is visible (committed)",
-    "checkpoint.async_flush": "in the background writer, before it starts a version",
-    "retention.before_delete": "before retention deletes one unreferenced path",
-}
+#: Every crash point declared so far, with where it sits. Each module declares its own
+#: points at import (`declare`), so the registry is complete once the modules that call
+#: them are imported (`fault_injection` imports the engine before drawing from it).
+KNOWN_POINTS: dict[str, str] = {}
 
 _armed: dict[str, Handler] = {}
+
+
+def declare(name: str, description: str) -> str:
+    """Declare crash point `name` (called once, at import, by the module that calls it).
+
+    Args:
+        name: `<area>.<moment>`, e.g. `checkpoint.before_manifest`.
+        description: where the point sits, for listings and chaos reports.
+
+    Returns:
+        `name`, so a module can keep it as a constant.
+
+    Raises:
+        ValueError: `name` is already declared with another description (two modules
+            claim the same point).
+    """
+    known = KNOWN_POINTS.get(name)
+    if known is not None and known != description:
+        raise ValueError(
+            f"crash point {name!r} is already declared as {known!r}; a point has one "
+            "owner: pick another name"
+        )
+    KNOWN_POINTS[name] = description
+    return name
 
 
 def point(point_name: str, /, **ctx: Any) -> None:
@@ -52,7 +64,8 @@ def arm(name: str, handler: Handler) -> None:
     """Install `handler` at crash point `name` (replacing any handler there).
 
     Raises:
-        KeyError: `name` is not a known crash point.
+        KeyError: `name` is not a declared crash point (the module that declares it is
+            not imported, or the name is wrong).
     """
     if name not in KNOWN_POINTS:
         raise KeyError(f"unknown crash point {name!r}; known points: {sorted(KNOWN_POINTS)}")

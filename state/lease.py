@@ -35,6 +35,13 @@ from typing import Any
 
 from .backend import Backend
 from .errors import FencedError, LeaseHeldError, StoreError
+from .paths import (
+    LEASES,
+    lease_heartbeat_path,
+    lease_path,
+    lease_released_path,
+    parse_lease_name,
+)
 from .process import owner_alive, process_start, this_host
 
 __all__ = ["DEFAULT_LEASE_EXPIRY_S", "Lease", "acquire_lease", "current_holder"]
@@ -44,27 +51,10 @@ log = logging.getLogger("state.lease")
 #: Seconds a writer's lease lives without renewal (it renews every third of this).
 DEFAULT_LEASE_EXPIRY_S = 60.0
 
-_DIR = "leases"
-
-
-def _gen_path(gen: int) -> str:
-    return f"{_DIR}/{gen:08d}.json"
-
-
-def _released_path(gen: int) -> str:
-    return f"{_DIR}/{gen:08d}.released"
-
-
-def _heartbeat_path(gen: int) -> str:
-    return f"{_DIR}/{gen:08d}.heartbeat"
-
 
 def _generations(backend: Backend) -> list[int]:
-    gens = []
-    for name in backend.listdir_fresh(_DIR):
-        if name.endswith(".json") and name[:-5].isdigit():
-            gens.append(int(name[:-5]))
-    return sorted(gens)
+    found = (parse_lease_name(name) for name in backend.listdir_fresh(LEASES))
+    return sorted(g for g in found if g is not None)
 
 
 def _number(value: object) -> float | None:
@@ -77,7 +67,7 @@ def _last_renewal(backend: Backend, gen: int, rec: dict[str, Any]) -> float | No
     """The newest of the record's acquisition time and its heartbeat's renewal time."""
     times = [_number(rec.get("renewed"))]
     try:
-        beat = json.loads(backend.read_bytes(_heartbeat_path(gen)))
+        beat = json.loads(backend.read_bytes(lease_heartbeat_path(gen)))
     except (FileNotFoundError, ValueError):
         beat = None  # no renewal yet, or a damaged one: the record's time counts
     if isinstance(beat, dict) and beat.get("generation") == gen:
@@ -101,16 +91,16 @@ def current_holder(backend: Backend) -> dict[str, Any] | None:
         return None
     gen = gens[-1]
     try:
-        rec = json.loads(backend.read_bytes(_gen_path(gen)))
+        rec = json.loads(backend.read_bytes(lease_path(gen)))
     except ValueError:
         rec = None
     if not isinstance(rec, dict) or rec.get("generation") != gen:
         raise StoreError(
-            f"{backend.url}: {_gen_path(gen)} is not a lease record of generation {gen}; "
+            f"{backend.url}: {lease_path(gen)} is not a lease record of generation {gen}; "
             "the store's lease state is damaged. If no job writes to this store, move that "
             "file away and retry"
         )
-    rec["released"] = backend.exists(_released_path(gen))
+    rec["released"] = backend.exists(lease_released_path(gen))
     expiry = _number(rec.get("expiry_s"))
     renewed = _last_renewal(backend, gen, rec)
     rec["renewed"] = renewed
@@ -176,7 +166,7 @@ class Lease:
 
     def taken_over(self) -> bool:
         """Whether a newer generation exists, asked of the storage, not of a cache."""
-        return self.backend.exists_fresh(_gen_path(self.generation + 1))
+        return self.backend.exists_fresh(lease_path(self.generation + 1))
 
     def check(self) -> None:
         """Raise FencedError when a newer generation took the store over; renew the
@@ -207,7 +197,7 @@ class Lease:
         """Write this generation's heartbeat: the lease now expires `expiry_s` from now."""
         now = time.time()
         beat = {"owner": self.owner, "generation": self.generation, "renewed": now}
-        self.backend.replace(_heartbeat_path(self.generation), json.dumps(beat).encode())
+        self.backend.replace(lease_heartbeat_path(self.generation), json.dumps(beat).encode())
         self.renewed = now
 
     def _renew_logged(self) -> None:
@@ -242,7 +232,7 @@ class Lease:
         self.released = True
         self._stop.set()
         try:
-            self.backend.create_once(_released_path(self.generation), b"{}")
+            self.backend.create_once(lease_released_path(self.generation), b"{}")
         except FileExistsError:
             pass
 
@@ -326,9 +316,9 @@ def acquire_lease(
         "renewed": now,
         "expiry_s": float(expiry_s),
     }
-    backend.makedirs(_DIR)
+    backend.makedirs(LEASES)
     try:
-        backend.create_once(_gen_path(new_gen), json.dumps(record).encode())
+        backend.create_once(lease_path(new_gen), json.dumps(record).encode())
     except FileExistsError as exc:
         raise LeaseHeldError(
             f"{backend.url}: another writer took lease generation {new_gen} at the same time; "

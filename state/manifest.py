@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CorruptVersionError, FormatVersionError, UnsafePathError
+from .paths import manifest_path, unsafe_path_reason
 
 __all__ = [
     "FORMAT_VERSION",
@@ -31,13 +31,6 @@ __all__ = [
 FORMAT_VERSION = 2
 _KIND = "cocoon-ckpt/manifest"
 _CHECKSUMS = ("header_checksum", "record_checksums")
-_PART = re.compile(r"^[A-Za-z0-9_.\-]+$")
-_VERSION_FOLDER = re.compile(r"^[0-9]{8}-g[0-9]+(-r[0-9]+)?$")
-
-
-def manifest_path(version: int) -> str:
-    """Store-relative path of version `version`'s manifest (zero padded: lists in order)."""
-    return f"manifests/{version:08d}.json"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -211,34 +204,6 @@ class Manifest:
                     array=name,
                 )
         return m
-
-
-def unsafe_path_reason(path: str) -> str | None:
-    """Why an array path from a manifest is not confined to the store, or None if it is.
-
-    A confined path is `versions/<v:08d>-g<gen>[-r<k>]/<name>` or `shared/<name>`, with
-    every component non-empty, not `.` or `..`, of letters, digits, `_`, `.`, `-`.
-    """
-    if not path:
-        return "is empty"
-    if path.startswith("/") or re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*:", path):
-        return "is absolute"
-    if "\\" in path:
-        return "holds a backslash"
-    parts = path.split("/")
-    if any(p == "" for p in parts):
-        return "has an empty component"
-    if any(p in (".", "..") for p in parts):
-        return "has a '.' or '..' component"
-    if not all(_PART.match(p) for p in parts):
-        return "has a component with characters other than letters, digits, '_', '.', '-'"
-    if parts[0] == "versions":
-        if len(parts) < 3 or not _VERSION_FOLDER.match(parts[1]):
-            return "is not inside a version folder versions/<v>-g<gen>[-r<rank>]/"
-        return None
-    if parts[0] == "shared":
-        return None if len(parts) >= 2 else "names no array under shared/"
-    return "lies outside versions/ and shared/"
 
 
 def restamp(doc: Mapping[str, Any]) -> bytes:
