@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 from ._lazy import attach
 
 if TYPE_CHECKING:  # the names as static tools see them
+    from ._version import __version__ as __version__
     from .accountant import Accountant, AccountingMethod, epsilon, noise_multiplier_for
     from .checkpoint import Checkpointer
     from .config import DPConfig, JobConfig
@@ -28,6 +29,7 @@ if TYPE_CHECKING:  # the names as static tools see them
 # Names load on first use (PEP 562): `cocoon-ckpt inspect` and the other store-only
 # commands never import torch or dp-accounting, and start in a fraction of a second.
 _LAZY = {
+    "__version__": "_version",  # pyproject's version, from the installed metadata
     "Accountant": "accountant",
     "AccountingMethod": "accountant",
     "BLOCK": "noise",

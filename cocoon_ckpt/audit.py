@@ -540,11 +540,16 @@ def audit_store(
         StoreNotFoundError: `url` holds no store.
         NoiseKeyError: no key in the store and none given, or an unreadable key file.
         ValueError: coordinates or seed out of range.
+        MissingExtraError: `plot_dir` is given and matplotlib is not installed.
     """
     if coordinates < 1:
         raise ValueError(f"coordinates={coordinates} must be >= 1")
     if seed is not None and seed < 0:
         raise ValueError(f"seed={seed} must be >= 0")
+    if plot_dir is not None:
+        from .plots import require_matplotlib
+
+        require_matplotlib()  # refuse before the audit's work, not after it
     store = Store.open(url, storage_options=storage_options, create=False)
     report = AuditReport(store=url)
     manifests = _check_chain(store, report)

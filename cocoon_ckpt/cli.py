@@ -19,6 +19,7 @@ from state import (
     VersionNotFoundError,
 )
 
+from ._version import VersionAction
 from .config import DPConfig, JobConfig, section_from_record
 from .errors import CocoonError, ConfigError, NoiseKeyError, PreemptedError
 from .mechanism import MechanismKind
@@ -456,6 +457,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Differentially private training with correlated noise that can crash "
         "anywhere and resume exactly.",
     )
+    p.add_argument("--version", action=VersionAction)
     p.add_argument(
         "--log-level",
         default="WARNING",

@@ -11,10 +11,30 @@ from state import CorruptVersionError, Manifest, Store, Version
 
 from .accountant import epsilon as compute_epsilon
 from .catalog import placement
+from .errors import MissingExtraError
 from .layout import array_kind
 from .mechanism import BandMF
 
-__all__ = ["write_plots"]
+__all__ = ["require_matplotlib", "write_plots"]
+
+#: The install command named when matplotlib is missing (it is an optional extra).
+PLOTS_EXTRA = "pip install 'cocoon-ckpt[plots]'"
+
+
+def require_matplotlib() -> None:
+    """Import matplotlib and select its headless backend (Agg).
+
+    Raises:
+        MissingExtraError: matplotlib cannot be imported; the message names the extra.
+    """
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise MissingExtraError(
+            f"PNG plots (audit --plot) need matplotlib, which cannot be imported ({exc}); "
+            f"install the plots extra: {PLOTS_EXTRA}"
+        ) from exc
+    matplotlib.use("Agg")
 
 
 def _inverse_row_norms(coefficients: np.ndarray, horizon: int) -> np.ndarray:
@@ -51,10 +71,11 @@ def write_plots(
 
     Returns:
         The paths written.
-    """
-    import matplotlib
 
-    matplotlib.use("Agg")
+    Raises:
+        MissingExtraError: matplotlib is not installed (nothing is written).
+    """
+    require_matplotlib()
     import matplotlib.pyplot as plt
 
     os.makedirs(out_dir, exist_ok=True)
