@@ -1,16 +1,45 @@
 """fault_injection: crash points (raise or SIGKILL), faulty:// storage, and the golden-run
 comparator that proves a faulted, resumed run adds exactly the noise of an uninterrupted one."""
 
-from .chaos import (
-    ChaosReport,
-    local_s3_server,
-    run_chaos,
-    run_kill_chaos,
-    run_takeover_chaos,
-)
-from .crash import CrashPointHit, arm_from_env, crash_at, disarm_all
-from .faulty_fs import FaultPlan, FaultyFileSystem, faulty_filesystem
-from .golden import Divergence, StepTrace, Trace, golden, verify
+from typing import TYPE_CHECKING
+
+from cocoon_ckpt._lazy import attach
+
+if TYPE_CHECKING:  # the names as static tools see them
+    from .chaos import (
+        ChaosReport,
+        local_s3_server,
+        run_chaos,
+        run_kill_chaos,
+        run_takeover_chaos,
+    )
+    from .crash import CrashPointHit, arm_from_env, crash_at, disarm_all
+    from .faulty_fs import FaultPlan, FaultyFileSystem, faulty_filesystem
+    from .golden import Divergence, StepTrace, Trace, golden, verify
+
+# Names load on first use (PEP 562): the pytest plugin (entry point pytest11) imports this
+# package in every pytest run of the environment, which must not pay for torch and zarr.
+_LAZY = {
+    "ChaosReport": "chaos",
+    "CrashPointHit": "crash",
+    "Divergence": "golden",
+    "FaultPlan": "faulty_fs",
+    "FaultyFileSystem": "faulty_fs",
+    "StepTrace": "golden",
+    "Trace": "golden",
+    "arm_from_env": "crash",
+    "crash_at": "crash",
+    "disarm_all": "crash",
+    "faulty_filesystem": "faulty_fs",
+    "golden": "golden",
+    "local_s3_server": "chaos",
+    "run_chaos": "chaos",
+    "run_kill_chaos": "chaos",
+    "run_takeover_chaos": "chaos",
+    "verify": "golden",
+}
+
+__getattr__, __dir__ = attach(__name__, _LAZY)
 
 __all__ = [
     "ChaosReport",

@@ -15,15 +15,18 @@ import random
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from cocoon_ckpt import JobConfig
+# pytest loads this plugin (entry point pytest11) in every run of every project in the
+# environment: torch and zarr load inside the fixtures, only in tests that use them
+# (importing them here made an unrelated project's pytest start 1.0 s -> 3.7 s).
+if TYPE_CHECKING:
+    from cocoon_ckpt import JobConfig
 
-from .chaos import draw_schedule
-from .faulty_fs import FaultPlan, FaultyFileSystem, faulty_filesystem
-from .golden import Trace, golden
+    from .faulty_fs import FaultyFileSystem
+    from .golden import Trace
 
 __all__ = ["crash_schedule", "faulty_store", "golden_run", "noise_key_file"]
 
@@ -39,6 +42,8 @@ def golden_run(tmp_path: Path, noise_key_file: str) -> Callable[..., Trace]:
     """`golden_run(config, **run_job_kwargs) -> Trace` of an uninterrupted run."""
 
     def make(config: JobConfig, **kwargs: Any) -> Trace:
+        from .golden import golden
+
         kwargs.setdefault("key_file", noise_key_file)
         return golden(config, str(tmp_path / f"golden-{uuid.uuid4().hex[:8]}.zarr"), **kwargs)
 
@@ -54,6 +59,8 @@ def crash_schedule(request: pytest.FixtureRequest) -> Callable[..., list[tuple[s
     def make(
         config: JobConfig, n: int = 3, points: list[str] | None = None, seed: int | None = None
     ) -> list[tuple[str, int | None]]:
+        from .chaos import draw_schedule
+
         rng = random.Random(request.node.nodeid if seed is None else seed)
         return draw_schedule(config, n, rng, points)
 
@@ -66,6 +73,8 @@ def faulty_store() -> Callable[..., tuple[str, FaultyFileSystem]]:
     location on `faulty://` storage; pass `fs=fs` to run_job / verify."""
 
     def make(target: str = "memory://", **plan: Any) -> tuple[str, FaultyFileSystem]:
+        from .faulty_fs import FaultPlan, faulty_filesystem
+
         fs = faulty_filesystem(target, FaultPlan(**plan))
         return f"/cocoon-{uuid.uuid4().hex}", fs
 
