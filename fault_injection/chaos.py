@@ -450,11 +450,13 @@ def run_takeover_chaos(
     ckpt_steps = sorted({*range(checkpoint_every, steps + 1, checkpoint_every), steps})
 
     def export(store: str, out: str, extra: list[str]) -> dict[str, torch.Tensor]:
-        subprocess.run(
+        done = subprocess.run(
             [sys.executable, "-m", "cocoon_ckpt", "export", store, "--out", out, *extra],
-            check=True,
             capture_output=True,
+            text=True,
         )
+        if done.returncode != 0:
+            raise RuntimeError(f"export of {store} exited {done.returncode}: {done.stderr}")
         return torch.load(out)  # type: ignore[no-any-return]
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -524,7 +526,12 @@ def run_takeover_chaos(
                 report.failures.append(
                     f"takeover trial {trial}: versions {late} committed by a superseded writer"
                 )
-            got = export(url, f"{tmp}/t{trial}.pt", opts)
+            try:
+                got = export(url, f"{tmp}/t{trial}.pt", opts)
+            except RuntimeError as exc:
+                report.divergences += 1
+                report.failures.append(f"takeover trial {trial}: {exc}")
+                continue
             if not all(torch.equal(gold[k], got[k]) for k in gold):
                 report.divergences += 1
                 report.failures.append(f"takeover trial {trial}: final model differs")
