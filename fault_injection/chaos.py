@@ -270,6 +270,27 @@ def run_chaos(
     return report
 
 
+def _export(store: str, out: str, extra: list[str] | None = None) -> dict[str, Any]:
+    """`cocoon-ckpt export STORE --out OUT` in a subprocess; the exported state_dict.
+
+    Raises:
+        RuntimeError: export failed (its one-line error in the message).
+    """
+    import subprocess
+    import sys
+
+    import torch
+
+    done = subprocess.run(
+        [sys.executable, "-m", "cocoon_ckpt", "export", store, "--out", out, *(extra or [])],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"export of {store} exited {done.returncode}: {done.stderr.strip()}")
+    return torch.load(out)  # type: ignore[no-any-return]
+
+
 def run_kill_chaos(
     train_args: list[str], *, trials: int, seed: int, report: ChaosReport | None = None
 ) -> ChaosReport:
@@ -292,14 +313,6 @@ def run_kill_chaos(
     points = sorted(p for p in hooks.KNOWN_POINTS if p != "checkpoint.after_manifest_temp")
     points.append("checkpoint.after_manifest_temp")  # fires on local disk only: here it does
 
-    def export(store: str, out: str) -> dict[str, torch.Tensor]:
-        subprocess.run(
-            [sys.executable, "-m", "cocoon_ckpt", "export", store, "--out", out],
-            check=True,
-            capture_output=True,
-        )
-        return torch.load(out)  # type: ignore[no-any-return]
-
     with tempfile.TemporaryDirectory() as tmp:
         key = f"{tmp}/noise.key"
         subprocess.run(
@@ -307,7 +320,7 @@ def run_kill_chaos(
             check=True,
             capture_output=True,
         )
-        gold = export(f"{tmp}/gold.zarr", f"{tmp}/gold.pt")
+        gold = _export(f"{tmp}/gold.zarr", f"{tmp}/gold.pt")
         for trial in range(trials):
             report.kill_trials += 1
             store = f"{tmp}/t{trial}.zarr"
@@ -351,7 +364,12 @@ def run_kill_chaos(
                     )
                 newest_seen = max(newest_seen, step_now)
                 if p.returncode == 0:
-                    got = export(store, f"{tmp}/t{trial}.pt")
+                    try:
+                        got = _export(store, f"{tmp}/t{trial}.pt")
+                    except RuntimeError as exc:
+                        report.divergences += 1
+                        report.failures.append(f"kill trial {trial}: {exc}")
+                        break
                     if not all(torch.equal(gold[k], got[k]) for k in gold):
                         report.divergences += 1
                         report.failures.append(f"kill trial {trial}: final model differs")
@@ -449,16 +467,6 @@ def run_takeover_chaos(
     opts = ["--storage-options", json.dumps(storage_options)]
     ckpt_steps = sorted({*range(checkpoint_every, steps + 1, checkpoint_every), steps})
 
-    def export(store: str, out: str, extra: list[str]) -> dict[str, torch.Tensor]:
-        done = subprocess.run(
-            [sys.executable, "-m", "cocoon_ckpt", "export", store, "--out", out, *extra],
-            capture_output=True,
-            text=True,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"export of {store} exited {done.returncode}: {done.stderr}")
-        return torch.load(out)  # type: ignore[no-any-return]
-
     with tempfile.TemporaryDirectory() as tmp:
         key = f"{tmp}/noise.key"
         subprocess.run(
@@ -466,7 +474,7 @@ def run_takeover_chaos(
             check=True,
             capture_output=True,
         )
-        gold = export(f"{tmp}/gold.zarr", f"{tmp}/gold.pt", [])
+        gold = _export(f"{tmp}/gold.zarr", f"{tmp}/gold.pt")
         for trial in range(trials):
             report.takeover_trials += 1
             url = f"s3://{bucket}/takeover-{seed}-{trial}-{uuid.uuid4().hex[:8]}.zarr"
@@ -527,7 +535,7 @@ def run_takeover_chaos(
                     f"takeover trial {trial}: versions {late} committed by a superseded writer"
                 )
             try:
-                got = export(url, f"{tmp}/t{trial}.pt", opts)
+                got = _export(url, f"{tmp}/t{trial}.pt", opts)
             except RuntimeError as exc:
                 report.divergences += 1
                 report.failures.append(f"takeover trial {trial}: {exc}")
