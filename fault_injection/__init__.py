@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # the names as static tools see them
         run_kill_chaos,
         run_takeover_chaos,
     )
-    from .crash import CrashPointHit, arm_from_env, crash_at, disarm_all
+    from .crash import CrashPointHit, arm_from_env, crash_at, disarm_all, known_points
     from .faulty_fs import FaultPlan, FaultyFileSystem, faulty_filesystem
     from .golden import Divergence, StepTrace, Trace, golden, verify
 
@@ -32,6 +32,7 @@ _LAZY = {
     "disarm_all": "crash",
     "faulty_filesystem": "faulty_fs",
     "golden": "golden",
+    "known_points": "crash",
     "local_s3_server": "chaos",
     "run_chaos": "chaos",
     "run_kill_chaos": "chaos",
@@ -54,6 +55,7 @@ __all__ = [
     "disarm_all",
     "faulty_filesystem",
     "golden",
+    "known_points",
     "local_s3_server",
     "run_chaos",
     "run_kill_chaos",

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cocoon_ckpt import JobConfig, run_job
-from state import CorruptVersionError, Store, hooks, restamp
+from state import CorruptVersionError, Store, restamp
 from state.manifest import manifest_path
 
-from .crash import CrashPointHit, crash_at, disarm_all
+from .crash import CrashPointHit, crash_at, disarm_all, known_points
 from .faulty_fs import FaultPlan, faulty_filesystem
 from .golden import Trace, golden
 
@@ -35,7 +35,7 @@ def draw_schedule(
     """n (crash point, step) pairs at steps where each point really fires: noise and
     trainer points at any step, checkpoint points at checkpoint steps, retention at its
     next deletion (no step). Sorted by step, so an earlier crash does not skip a later."""
-    names = sorted(points or hooks.KNOWN_POINTS)
+    names = sorted(points or known_points())
     every, steps = config.checkpoint_every, config.dp.steps
     ckpt_steps = sorted({*range(every, steps + 1, every), steps})
     out: list[tuple[str, int | None]] = []
@@ -310,7 +310,7 @@ def run_kill_chaos(
     report = ChaosReport() if report is None else report
     rng = random.Random(seed)
     cmd = [sys.executable, "-m", "cocoon_ckpt", "train", *train_args, "--no-progress"]
-    points = sorted(p for p in hooks.KNOWN_POINTS if p != "checkpoint.after_manifest_temp")
+    points = sorted(p for p in known_points() if p != "checkpoint.after_manifest_temp")
     points.append("checkpoint.after_manifest_temp")  # fires on local disk only: here it does
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -9,7 +9,14 @@ from typing import Any, Literal
 
 from state import hooks
 
-__all__ = ["ENV_VAR", "CrashPointHit", "arm_from_env", "crash_at", "disarm_all"]
+__all__ = [
+    "ENV_VAR",
+    "CrashPointHit",
+    "arm_from_env",
+    "crash_at",
+    "disarm_all",
+    "known_points",
+]
 
 #: `COCOON_CRASH_AT="checkpoint.after_arrays:step=20"` arms a SIGKILL in a subprocess;
 #: `...:step=20:stop` freezes it there instead (SIGSTOP).
@@ -24,6 +31,20 @@ class CrashPointHit(BaseException):
         super().__init__(f"crash point {name} hit with {dict(ctx)}")
         self.name = name
         self.ctx = dict(ctx)
+
+
+#: The modules that declare crash points beyond `state`'s own (at import).
+_DECLARING_MODULES = ("cocoon_ckpt.noise", "cocoon_ckpt.trainer", "cocoon_ckpt.checkpoint")
+
+
+def known_points() -> dict[str, str]:
+    """Every crash point, name -> where it sits: the modules that declare them are
+    imported first (a point is declared by the module that calls it, at import)."""
+    import importlib
+
+    for module in _DECLARING_MODULES:
+        importlib.import_module(module)
+    return dict(hooks.KNOWN_POINTS)
 
 
 def crash_at(
@@ -43,6 +64,8 @@ def crash_at(
     """
     if mode not in ("raise", "kill", "stop"):
         raise ValueError(f"crash_at mode={mode!r} must be 'raise', 'kill' or 'stop'")
+    if name not in hooks.KNOWN_POINTS:
+        known_points()  # armed before the job's modules were imported (a subprocess's env)
     remaining = [after_hits]
 
     def handler(point_name: str, ctx: Mapping[str, Any]) -> None:
