@@ -235,6 +235,9 @@ class Backend(abc.ABC):
             try:
                 self.create_exclusive(rel, data, on_temp_durable)
             except FileExistsError:
+                # Read what won, not a cached listing from before it existed (s3fs
+                # would answer FileNotFoundError from one).
+                self.invalidate(rel)
                 if self.read_bytes(rel) != data:
                     raise
 

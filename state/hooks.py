@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["KNOWN_POINTS", "arm", "armed", "declare", "disarm", "disarm_all", "point"]
+__all__ = ["KNOWN_POINTS", "Handler", "arm", "armed", "declare", "disarm", "disarm_all", "point"]
 
 Handler = Callable[[str, Mapping[str, Any]], None]
 
