@@ -29,6 +29,7 @@ from cocoon_ckpt import DPConfig, JobConfig
 from cocoon_ckpt.checkpoint import Checkpointer, take_snapshot
 from cocoon_ckpt.job import build_trainer
 from state import Store
+from state.paths import version_prefix
 
 
 def np_save_all(folder: str, arrays: dict[str, np.ndarray]) -> None:
@@ -168,7 +169,7 @@ def run(args: argparse.Namespace, root: str) -> None:
     if inc is None:
         raise SystemExit("no checkpoint was taken; use --bands >= 2 and --every < 2 * bands")
     inc_bytes = sum(
-        a.nbytes for a in inc.arrays.values() if a.path.startswith(f"versions/{inc.version:08d}-")
+        a.nbytes for a in inc.arrays.values() if a.path.startswith(version_prefix(inc.version))
     )
     hist = (args.bands - 1) * fresh.dim * 4
     bound = (args.every / (args.bands - 1)) * hist + (inc_bytes - args.every * fresh.dim * 4)

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from state import CorruptVersionError, Manifest, Store, StoreError, Version
+from state.paths import version_of_path
 
 from . import config as cfgmod
 from .accountant import epsilon as compute_epsilon
@@ -167,9 +168,8 @@ def _check_chain(store: Store, report: AuditReport) -> dict[int, Manifest]:
         for name, meta in m.arrays.items():
             if meta.path.startswith(own_prefix(m)) or not meta.path.startswith("versions/"):
                 continue
-            try:
-                src = int(meta.path.split("/")[1].split("-")[0])
-            except (IndexError, ValueError):
+            src = version_of_path(meta.path)
+            if src is None:
                 report.add("chain", f"array {name} lies at {meta.path}, not a version folder", v)
                 continue
             old = manifests.get(src)

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from state import CorruptVersionError, FormatVersionError, Manifest, Store
-from state.manifest import manifest_path
+from state.paths import manifest_path, version_prefix
 
 from .guarantee import describe
 from .layout import KEY_SECRET, THREAT_MODEL_DEFAULT, THREAT_MODELS, array_kind
@@ -32,7 +32,7 @@ def placement(noise: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def own_prefix(m: Manifest) -> str:
-    return f"versions/{m.version:08d}-g"
+    return version_prefix(m.version)
 
 
 def _version_summary(m: Manifest) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from state import CorruptVersionError, Store, StoreError, Version
-from state.manifest import manifest_path
+from state.paths import manifest_path
 
 from . import config as cfgmod
 from .accountant import AccountingMethod

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from state import CorruptVersionError, Manifest, Store, Version
+from state.paths import version_prefix
 
 from .accountant import epsilon as compute_epsilon
 from .catalog import placement
@@ -160,7 +161,7 @@ def write_plots(
     # 4. checkpoint sizes per version: bytes each version wrote, by kind.
     kinds: dict[str, list[int]] = {}
     for i, m in enumerate(vs):
-        own = f"versions/{m.version:08d}-g"
+        own = version_prefix(m.version)
         for name, meta in m.arrays.items():
             if meta.path.startswith(own):
                 kinds.setdefault(array_kind(name), [0] * len(vs))[i] += meta.nbytes

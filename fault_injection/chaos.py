@@ -13,7 +13,7 @@ from typing import Any
 
 from cocoon_ckpt import JobConfig, run_job
 from state import CorruptVersionError, Store, restamp
-from state.manifest import manifest_path
+from state.paths import manifest_path, version_prefix
 
 from .crash import CrashPointHit, crash_at, disarm_all, known_points
 from .faulty_fs import FaultPlan, faulty_filesystem
@@ -109,7 +109,7 @@ def _corrupt_newest(store: Store, rng: random.Random) -> str | None:
     if len(versions) < 2:
         return None
     man = store.manifest(versions[-1])
-    own = [m for m in man.arrays.values() if m.path.startswith(f"versions/{man.version:08d}-")]
+    own = [m for m in man.arrays.values() if m.path.startswith(version_prefix(man.version))]
     own = [m for m in own if m.nbytes > 0]
     if not own:
         return None
