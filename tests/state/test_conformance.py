@@ -52,7 +52,7 @@ class TestS3(StoreTests):
     # and a short state machine; the rest is backend-independent logic that the other
     # backends cover.
     state_machine_examples = 2
-    state_machine_steps = 6
+    state_machine_steps = 4
     only = frozenset(
         {
             "test_create_then_open",
