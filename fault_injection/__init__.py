@@ -15,29 +15,31 @@ if TYPE_CHECKING:  # the names as static tools see them
     )
     from .crash import CrashPointHit, arm_from_env, crash_at, disarm_all, known_points
     from .faulty_fs import FaultPlan, FaultyFileSystem, faulty_filesystem
-    from .golden import Divergence, StepTrace, Trace, golden, verify
+    from .trace import Divergence, StepTrace, Trace, golden, verify
 
 # Names load on first use (PEP 562): the pytest plugin (entry point pytest11) imports this
 # package in every pytest run of the environment, which must not pay for torch and zarr.
+# No submodule may share a name it exports: once imported, a submodule is bound as the
+# package's attribute and would shadow the lazy name (a module `golden` hid `golden()`).
 _LAZY = {
     "ChaosReport": "chaos",
     "CrashPointHit": "crash",
-    "Divergence": "golden",
+    "Divergence": "trace",
     "FaultPlan": "faulty_fs",
     "FaultyFileSystem": "faulty_fs",
-    "StepTrace": "golden",
-    "Trace": "golden",
+    "StepTrace": "trace",
+    "Trace": "trace",
     "arm_from_env": "crash",
     "crash_at": "crash",
     "disarm_all": "crash",
     "faulty_filesystem": "faulty_fs",
-    "golden": "golden",
+    "golden": "trace",
     "known_points": "crash",
     "local_s3_server": "chaos",
     "run_chaos": "chaos",
     "run_kill_chaos": "chaos",
     "run_takeover_chaos": "chaos",
-    "verify": "golden",
+    "verify": "trace",
 }
 
 __getattr__, __dir__ = attach(__name__, _LAZY)

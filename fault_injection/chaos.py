@@ -17,7 +17,7 @@ from state.paths import manifest_path, version_prefix
 
 from .crash import CrashPointHit, crash_at, disarm_all, known_points
 from .faulty_fs import FaultPlan, faulty_filesystem
-from .golden import Trace, golden
+from .trace import Trace, golden
 
 __all__ = [
     "ChaosReport",

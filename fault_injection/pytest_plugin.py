@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from cocoon_ckpt import JobConfig
 
     from .faulty_fs import FaultyFileSystem
-    from .golden import Trace
+    from .trace import Trace
 
 __all__ = ["crash_schedule", "faulty_store", "golden_run", "noise_key_file"]
 
@@ -42,7 +42,7 @@ def golden_run(tmp_path: Path, noise_key_file: str) -> Callable[..., Trace]:
     """`golden_run(config, **run_job_kwargs) -> Trace` of an uninterrupted run."""
 
     def make(config: JobConfig, **kwargs: Any) -> Trace:
-        from .golden import golden
+        from .trace import golden
 
         kwargs.setdefault("key_file", noise_key_file)
         return golden(config, str(tmp_path / f"golden-{uuid.uuid4().hex[:8]}.zarr"), **kwargs)
