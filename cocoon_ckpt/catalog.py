@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from state import CorruptVersionError, FormatVersionError, Manifest, Store
-from state.paths import manifest_path, version_prefix
+from state import CorruptVersionError, Manifest, Store
+from state.paths import version_prefix
+from state.retention import OnDamage, verified_manifests
 
 from .guarantee import describe
 from .layout import KEY_SECRET, THREAT_MODEL_DEFAULT, THREAT_MODELS, array_kind
@@ -277,20 +278,7 @@ def collect_garbage(
     bytes_before = _referenced_bytes(readable(before))
     if not discard_damaged:
         # refused before the lease is taken: a refused gc writes nothing
-        for v in before:
-            try:
-                store.manifest(v)
-            except (CorruptVersionError, FormatVersionError) as exc:
-                msg = (
-                    f"{url}: gc stopped, nothing was deleted: {exc}; repair or move away "
-                    f"{manifest_path(v)}, or rerun with --discard-damaged to delete that "
-                    "version and the arrays only it references"
-                )
-                if isinstance(exc, CorruptVersionError):
-                    raise CorruptVersionError(
-                        msg, version=exc.version, path=exc.path, record=exc.record
-                    ) from None
-                raise FormatVersionError(msg) from None
+        verified_manifests(store, before, OnDamage.STOP)
     store.acquire_lease(takeover=takeover)
     try:
         deleted = store.retain(keep_last=keep, discard_damaged=discard_damaged)

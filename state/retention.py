@@ -45,6 +45,7 @@ __all__ = [
     "OnDamage",
     "RetentionPolicy",
     "retain",
+    "verified_manifests",
 ]
 
 log = logging.getLogger("state.store")
@@ -145,7 +146,7 @@ def retain(
     have = store.versions()
     if not have:
         return []
-    manifests = _verified_manifests(store, have, on_damage)
+    manifests = verified_manifests(store, have, on_damage)
     if newest_valid is None:
         newest_valid = _newest_verified(store, manifests)
     keep = set(sorted(manifests)[-MIN_KEPT:])
@@ -185,9 +186,15 @@ def retain(
     return deleted
 
 
-def _verified_manifests(store: Store, have: list[int], on_damage: OnDamage) -> dict[int, Manifest]:
+def verified_manifests(store: Store, have: list[int], on_damage: OnDamage) -> dict[int, Manifest]:
     """Every manifest of `have` that parses and verifies; a failing one stops retention
-    (or, with `OnDamage.DISCARD`, is left out so that it is deleted)."""
+    (or, with `OnDamage.DISCARD`, is left out so that it is deleted). Callers that must
+    refuse before writing anything (gc takes the lease first) check with it up front.
+
+    Raises:
+        CorruptVersionError, FormatVersionError: with `OnDamage.STOP`, a manifest fails
+            to verify; the message says nothing was deleted and how to go on.
+    """
     manifests: dict[int, Manifest] = {}
     for v in have:
         try:
