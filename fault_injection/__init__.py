@@ -6,15 +6,10 @@ from typing import TYPE_CHECKING
 from cocoon_ckpt._lazy import attach
 
 if TYPE_CHECKING:  # the names as static tools see them
-    from .chaos import (
-        ChaosReport,
-        local_s3_server,
-        run_chaos,
-        run_kill_chaos,
-        run_takeover_chaos,
-    )
+    from .chaos import ChaosReport, run_chaos
     from .crash import CrashPointHit, arm_from_env, crash_at, disarm_all, known_points
     from .faulty_fs import FaultPlan, FaultyFileSystem, faulty_filesystem
+    from .process_chaos import local_s3_server, run_kill_chaos, run_takeover_chaos
     from .trace import Divergence, StepTrace, Trace, golden, verify
 
 # Names load on first use (PEP 562): the pytest plugin (entry point pytest11) imports this
@@ -35,10 +30,10 @@ _LAZY = {
     "faulty_filesystem": "faulty_fs",
     "golden": "trace",
     "known_points": "crash",
-    "local_s3_server": "chaos",
+    "local_s3_server": "process_chaos",
     "run_chaos": "chaos",
-    "run_kill_chaos": "chaos",
-    "run_takeover_chaos": "chaos",
+    "run_kill_chaos": "process_chaos",
+    "run_takeover_chaos": "process_chaos",
     "verify": "trace",
 }
 
