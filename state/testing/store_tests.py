@@ -74,15 +74,6 @@ class StoreTests:
     #: Hypothesis examples of the state machine, and steps per example.
     state_machine_examples = 8
     state_machine_steps = 10
-    #: For a slow backend: the names of the tests to run; the rest are skipped, saying
-    #: so (None: run every test).
-    only: frozenset[str] | None = None
-
-    @pytest.fixture(autouse=True)
-    def _selected(self, request: pytest.FixtureRequest) -> None:
-        name = request.function.__name__
-        if self.only is not None and name not in self.only:
-            pytest.skip(f"{type(self).__name__} runs only {sorted(self.only)} of StoreTests")
 
     @pytest.fixture
     def locations(self) -> LocationFactory:

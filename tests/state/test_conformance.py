@@ -47,25 +47,9 @@ class TestMemory(StoreTests):
 
 
 class TestS3(StoreTests):
-    # Every operation is a request to the local server: run what depends on the
-    # object store itself (conditional PUT, uncached lease probes, listings, deletes)
-    # and a short state machine; the rest is backend-independent logic that the other
-    # backends cover.
+    # Every operation is a request to the local server: a short state machine.
     state_machine_examples = 2
     state_machine_steps = 4
-    only = frozenset(
-        {
-            "test_create_then_open",
-            "test_a_lost_create_race_is_a_conflict",
-            "test_refuses_a_foreign_location_writing_nothing",
-            "test_commit_then_read_back_verified",
-            "test_a_commit_interrupted_at_each_point_is_invisible",
-            "test_lease_refuse_takeover_and_fence",
-            "test_retention_keeps_the_newest_and_what_they_reference",
-            "test_secrets_are_written_once",
-            "test_state_machine",
-        }
-    )
 
     @pytest.fixture
     def locations(self, s3_endpoint: dict[str, Any]) -> LocationFactory:
