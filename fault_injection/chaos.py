@@ -23,6 +23,11 @@ from .trace import Trace, golden
 __all__ = ["ChaosReport", "draw_schedule", "run_chaos"]
 
 
+def checkpoint_steps(steps: int, every: int) -> list[int]:
+    """The steps a job of `steps` steps checkpoints at, every `every` and at the end."""
+    return sorted({*range(every, steps + 1, every), steps})
+
+
 def draw_schedule(
     config: JobConfig, n: int, rng: random.Random, points: list[str] | None = None
 ) -> list[tuple[str, int | None]]:
@@ -30,8 +35,8 @@ def draw_schedule(
     trainer points at any step, checkpoint points at checkpoint steps, retention at its
     next deletion (no step). Sorted by step, so an earlier crash does not skip a later."""
     names = sorted(points or known_points())
-    every, steps = config.checkpoint_every, config.dp.steps
-    ckpt_steps = sorted({*range(every, steps + 1, every), steps})
+    ckpt_steps = checkpoint_steps(config.dp.steps, config.checkpoint_every)
+    steps = config.dp.steps
     out: list[tuple[str, int | None]] = []
     for _ in range(n):
         name = rng.choice(names)

@@ -11,7 +11,7 @@ from typing import Any
 
 from state import Store
 
-from .chaos import ChaosReport
+from .chaos import ChaosReport, checkpoint_steps
 from .crash import known_points
 
 __all__ = ["local_s3_server", "run_kill_chaos", "run_takeover_chaos"]
@@ -38,6 +38,18 @@ def _export(store: str, out: str, extra: list[str] | None = None) -> dict[str, A
     return torch.load(out)  # type: ignore[no-any-return]
 
 
+def _golden_model(cmd: list[str], tmp: str) -> tuple[str, dict[str, Any]]:
+    """Run `cmd` (a `cocoon-ckpt train` command) uninterrupted in `tmp` with a new key
+    file: (that key file, which every trial shares, and the exported final model)."""
+    import subprocess
+
+    key = f"{tmp}/noise.key"
+    subprocess.run(
+        [*cmd, "--store", f"{tmp}/gold.zarr", "--key-file", key], check=True, capture_output=True
+    )
+    return key, _export(f"{tmp}/gold.zarr", f"{tmp}/gold.pt")
+
+
 def run_kill_chaos(
     train_args: list[str], *, trials: int, seed: int, report: ChaosReport | None = None
 ) -> ChaosReport:
@@ -61,13 +73,7 @@ def run_kill_chaos(
     points.append("checkpoint.after_manifest_temp")  # fires on local disk only: here it does
 
     with tempfile.TemporaryDirectory() as tmp:
-        key = f"{tmp}/noise.key"
-        subprocess.run(
-            [*cmd, "--store", f"{tmp}/gold.zarr", "--key-file", key],
-            check=True,
-            capture_output=True,
-        )
-        gold = _export(f"{tmp}/gold.zarr", f"{tmp}/gold.pt")
+        key, gold = _golden_model(cmd, tmp)
         for trial in range(trials):
             report.kill_trials += 1
             store = f"{tmp}/t{trial}.zarr"
@@ -212,16 +218,10 @@ def run_takeover_chaos(
     rng = random.Random(seed)
     cmd = [sys.executable, "-m", "cocoon_ckpt", "train", *train_args, "--no-progress"]
     opts = ["--storage-options", json.dumps(storage_options)]
-    ckpt_steps = sorted({*range(checkpoint_every, steps + 1, checkpoint_every), steps})
+    ckpt_steps = checkpoint_steps(steps, checkpoint_every)
 
     with tempfile.TemporaryDirectory() as tmp:
-        key = f"{tmp}/noise.key"
-        subprocess.run(
-            [*cmd, "--store", f"{tmp}/gold.zarr", "--key-file", key],
-            check=True,
-            capture_output=True,
-        )
-        gold = _export(f"{tmp}/gold.zarr", f"{tmp}/gold.pt")
+        key, gold = _golden_model(cmd, tmp)
         for trial in range(trials):
             report.takeover_trials += 1
             url = f"s3://{bucket}/takeover-{seed}-{trial}-{uuid.uuid4().hex[:8]}.zarr"
