@@ -5,7 +5,7 @@ dp-accounting used directly, side by side in one process.
                                [--dataset 2048] [--sigma 1.0] [--no-calibrate-baseline]
 
 1. A job of `--steps` steps checkpointing every `--every` steps reports epsilon at each
-   checkpoint: ours (`cocoon_ckpt.accountant.epsilon`, caches cleared first, as in a
+   checkpoint: ours (`cocoon_ckpt.dp.accountant.epsilon`, caches cleared first, as in a
    fresh process) against a fresh `PLDAccountant` composing the event at each
    checkpoint (what the engine did before). The values must be equal; the script says
    so. Defaults: the mlp example's privacy settings.
@@ -23,8 +23,8 @@ import time
 import dp_accounting
 from dp_accounting import pld
 
-from cocoon_ckpt import accountant
-from cocoon_ckpt.accountant import dp_event, epsilon, noise_multiplier_for
+from cocoon_ckpt.dp import accountant
+from cocoon_ckpt.dp.accountant import dp_event, epsilon, noise_multiplier_for
 
 
 def _clear() -> None:

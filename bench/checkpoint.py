@@ -26,8 +26,8 @@ import crc32c
 import numpy as np
 
 from cocoon_ckpt import DPConfig, JobConfig
-from cocoon_ckpt.checkpoint import Checkpointer, take_snapshot
-from cocoon_ckpt.job import build_trainer
+from cocoon_ckpt.train.checkpoint import Checkpointer, take_snapshot
+from cocoon_ckpt.train.runner import build_trainer
 from state import Store
 from state.paths import version_prefix
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cocoon_ckpt import BandMF, CorrelatedNoise
-from cocoon_ckpt.distributed import DistContext
+from cocoon_ckpt.train.distributed import DistContext
 
 KEY = bytes(range(32))
 

@@ -35,7 +35,7 @@ import torch
 
 from cocoon_ckpt import DPConfig, DPTrainer
 from cocoon_ckpt.embedding import EmbeddingConfig, TableMode, TableSpec
-from cocoon_ckpt.jobs.dlrm import DLRM, make_data, table_rows
+from cocoon_ckpt.examples.dlrm import DLRM, make_data, table_rows
 from cocoon_ckpt.tiers import GemvMode, TierConfig
 
 KEY = bytes(range(32))

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from cocoon_ckpt import DPConfig, JobConfig
-from cocoon_ckpt.job import build_trainer
+from cocoon_ckpt.train.runner import build_trainer
 
 
 def seconds_per_step(step, steps: int, warmup: int = 3) -> float:  # type: ignore[no-untyped-def]

@@ -5,7 +5,7 @@ noise against plain torch.randn, side by side in one process.
 
 The read-stream limit is the faster of a numpy sum and a torch sum over the ring's own
 bytes: what this process can read from memory. The GEMV reads (b-1) x dim floats once
-with the engine's compiled fixed-order kernel (`cocoon_ckpt.gemv.mix_history`); its
+with the engine's compiled fixed-order kernel (`cocoon_ckpt.dp.gemv.mix_history`); its
 bytes/s is divided by the limit (target >= 0.9, floor 0.8). The numpy reference of the
 same sum (the engine's kernel before the compiled one) and OpenBLAS sgemv (faster on
 some shapes, not split-invariant) are printed beside it. A numpy copy probe (bytes read
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from cocoon_ckpt import BandMF, CorrelatedNoise, KeyedNoise
-from cocoon_ckpt.gemv import mix_history, mix_history_reference
+from cocoon_ckpt.dp.gemv import mix_history, mix_history_reference
 
 
 def timed(fn: Callable[[], object]) -> float:

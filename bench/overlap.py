@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from cocoon_ckpt import DPConfig, DPTrainer
-from cocoon_ckpt.jobs.mlp import make_data
+from cocoon_ckpt.examples.mlp import make_data
 
 KEY = bytes(range(32))
 

@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from cocoon_ckpt.gemv import mix_history
+from cocoon_ckpt.dp.gemv import mix_history
 from cocoon_ckpt.tiers import GemvMode, TierConfig, TieredHistory, build_history
 from cocoon_ckpt.tiers.device import default_device
 from cocoon_ckpt.tiers.history import PULL_CHUNK_BYTES

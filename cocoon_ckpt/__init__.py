@@ -3,14 +3,20 @@ atomically, so a job can crash anywhere and resume with exactly the same noise."
 
 from typing import TYPE_CHECKING
 
-from ._lazy import attach
+from cocoon_ckpt._lazy import attach
 
 if TYPE_CHECKING:  # the names as static tools see them
-    from ._version import __version__ as __version__
-    from .accountant import Accountant, AccountingMethod, epsilon, noise_multiplier_for
-    from .checkpoint import Checkpointer
-    from .config import DPConfig, JobConfig
-    from .errors import (
+    from cocoon_ckpt._version import __version__ as __version__
+    from cocoon_ckpt.dp.accountant import (
+        Accountant,
+        AccountingMethod,
+        epsilon,
+        noise_multiplier_for,
+    )
+    from cocoon_ckpt.dp.mechanism import BandMF, MechanismKind
+    from cocoon_ckpt.dp.noise import BLOCK, GENERATOR_BACKEND, CorrelatedNoise, KeyedNoise
+    from cocoon_ckpt.dp.sampler import CyclicPoissonSampler
+    from cocoon_ckpt.errors import (
         CocoonError,
         ConfigMismatchError,
         GeneratorMismatchError,
@@ -19,44 +25,43 @@ if TYPE_CHECKING:  # the names as static tools see them
         StateSchemaError,
         UnsupportedModelError,
     )
-    from .job import RunResult, export_model, run_job
-    from .jobs import JobParts
-    from .mechanism import BandMF, MechanismKind
-    from .noise import BLOCK, GENERATOR_BACKEND, CorrelatedNoise, KeyedNoise
-    from .sampler import CyclicPoissonSampler
-    from .trainer import DPTrainer, StepResult
+    from cocoon_ckpt.train.checkpoint import Checkpointer
+    from cocoon_ckpt.train.config import DPConfig, JobConfig
+    from cocoon_ckpt.train.parts import JobParts
+    from cocoon_ckpt.train.runner import RunResult, export_model, run_job
+    from cocoon_ckpt.train.trainer import DPTrainer, StepResult
 
 # Names load on first use (PEP 562): `cocoon-ckpt inspect` and the other store-only
 # commands never import torch or dp-accounting, and start in a fraction of a second.
 _LAZY = {
     "__version__": "_version",  # pyproject's version, from the installed metadata
-    "Accountant": "accountant",
-    "AccountingMethod": "accountant",
-    "BLOCK": "noise",
-    "BandMF": "mechanism",
-    "Checkpointer": "checkpoint",
+    "Accountant": "dp.accountant",
+    "AccountingMethod": "dp.accountant",
+    "BLOCK": "dp.noise",
+    "BandMF": "dp.mechanism",
+    "Checkpointer": "train.checkpoint",
     "CocoonError": "errors",
     "ConfigMismatchError": "errors",
-    "CorrelatedNoise": "noise",
-    "CyclicPoissonSampler": "sampler",
-    "DPConfig": "config",
-    "DPTrainer": "trainer",
-    "GENERATOR_BACKEND": "noise",
+    "CorrelatedNoise": "dp.noise",
+    "CyclicPoissonSampler": "dp.sampler",
+    "DPConfig": "train.config",
+    "DPTrainer": "train.trainer",
+    "GENERATOR_BACKEND": "dp.noise",
     "GeneratorMismatchError": "errors",
-    "JobConfig": "config",
-    "JobParts": "jobs",
-    "KeyedNoise": "noise",
-    "MechanismKind": "mechanism",
+    "JobConfig": "train.config",
+    "JobParts": "train.parts",
+    "KeyedNoise": "dp.noise",
+    "MechanismKind": "dp.mechanism",
     "NoiseKeyError": "errors",
     "PrivacyBudgetError": "errors",
-    "RunResult": "job",
+    "RunResult": "train.runner",
     "StateSchemaError": "errors",
-    "StepResult": "trainer",
+    "StepResult": "train.trainer",
     "UnsupportedModelError": "errors",
-    "epsilon": "accountant",
-    "export_model": "job",
-    "noise_multiplier_for": "accountant",
-    "run_job": "job",
+    "epsilon": "dp.accountant",
+    "export_model": "train.runner",
+    "noise_multiplier_for": "dp.accountant",
+    "run_job": "train.runner",
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import StateSchemaError
+from cocoon_ckpt.errors import StateSchemaError
 
 
 def check_state(state: Mapping[str, Any], kind: str, schema_version: int) -> None:

@@ -12,10 +12,9 @@ import os
 import secrets
 import stat
 
+from cocoon_ckpt.errors import NoiseKeyError
+from cocoon_ckpt.layout import KEY_SECRET
 from state import Store
-
-from .errors import NoiseKeyError
-from .layout import KEY_SECRET
 
 __all__ = [
     "KEY_BYTES",

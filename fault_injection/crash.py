@@ -34,7 +34,11 @@ class CrashPointHit(BaseException):
 
 
 #: The modules that declare crash points beyond `state`'s own (at import).
-_DECLARING_MODULES = ("cocoon_ckpt.noise", "cocoon_ckpt.trainer", "cocoon_ckpt.checkpoint")
+_DECLARING_MODULES = (
+    "cocoon_ckpt.dp.noise",
+    "cocoon_ckpt.train.trainer",
+    "cocoon_ckpt.train.checkpoint",
+)
 
 
 def known_points() -> dict[str, str]:

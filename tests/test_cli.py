@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cocoon_ckpt.cli import main
+from cocoon_ckpt._cli.main import main
 from state import Store
 
 
@@ -132,7 +132,7 @@ def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str
 
 
 WRONG_SIGNATURE_JOB = """
-from cocoon_ckpt.jobs import mlp
+from cocoon_ckpt.examples import mlp
 
 def build():
     return mlp.build(None)
@@ -268,12 +268,12 @@ def test_storage_errors_are_one_line(
 def test_ctrl_c_outside_training_is_exit_130_with_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import cocoon_ckpt.catalog
+    import cocoon_ckpt.tools.catalog
 
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cocoon_ckpt.catalog, "inspect_store", interrupted)
+    monkeypatch.setattr(cocoon_ckpt.tools.catalog, "inspect_store", interrupted)
     code, _, err = _main(capsys, "inspect", str(tmp_path))
     assert code == 130 and err == "cocoon-ckpt: interrupted\n"
 

@@ -51,7 +51,7 @@ def test_audit_plot_without_matplotlib_is_refused_naming_the_extra(tmp_path: Pat
     res = _python(
         "import sys\n"
         "sys.modules['matplotlib'] = None  # as if the plots extra were not installed\n"
-        "from cocoon_ckpt.cli import main\n"
+        "from cocoon_ckpt._cli.main import main\n"
         "sys.exit(main(sys.argv[1:]))",
         "audit",
         str(tmp_path),

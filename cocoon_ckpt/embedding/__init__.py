@@ -8,17 +8,17 @@ Coalescing holds only against an adversary who sees the final model
 
 from typing import TYPE_CHECKING
 
-from .._lazy import attach
+from cocoon_ckpt._lazy import attach
 
 if TYPE_CHECKING:
-    from .config import EmbeddingConfig, TableMode, TableSpec
-    from .csc import CoalescedCSC
-    from .engine import TableEngine, TablePlan
-    from .lazy import LazyNoise, philox_normal
-    from .precompute import precompute_csc, table_key, table_noise
-    from .profile import UnitCosts, choose_threshold, measure_unit_costs
-    from .schedule import AccessSchedule, table_schedule
-    from .tables import EmbeddingNoise
+    from cocoon_ckpt.embedding.config import EmbeddingConfig, TableMode, TableSpec
+    from cocoon_ckpt.embedding.csc import CoalescedCSC
+    from cocoon_ckpt.embedding.engine import TableEngine, TablePlan
+    from cocoon_ckpt.embedding.lazy import LazyNoise, philox_normal
+    from cocoon_ckpt.embedding.precompute import precompute_csc, table_key, table_noise
+    from cocoon_ckpt.embedding.profile import UnitCosts, choose_threshold, measure_unit_costs
+    from cocoon_ckpt.embedding.schedule import AccessSchedule, table_schedule
+    from cocoon_ckpt.embedding.tables import EmbeddingNoise
 
 _LAZY = {
     "AccessSchedule": "schedule",

@@ -13,16 +13,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._state_dict import check_state
-from ..mechanism import BandMF
-from ..noise import CorrelatedNoise
-from ..tiers.build import build_history
-from ..tiers.config import TierConfig
-from .config import TableMode, TableSpec
-from .csc import CoalescedCSC
-from .lazy import LazyNoise
-from .precompute import precompute_csc, table_key, table_noise
-from .schedule import AccessSchedule
+from cocoon_ckpt._state_dict import check_state
+from cocoon_ckpt.dp.mechanism import BandMF
+from cocoon_ckpt.dp.noise import CorrelatedNoise
+from cocoon_ckpt.embedding.config import TableMode, TableSpec
+from cocoon_ckpt.embedding.csc import CoalescedCSC
+from cocoon_ckpt.embedding.lazy import LazyNoise
+from cocoon_ckpt.embedding.precompute import precompute_csc, table_key, table_noise
+from cocoon_ckpt.embedding.schedule import AccessSchedule
+from cocoon_ckpt.tiers.build import build_history
+from cocoon_ckpt.tiers.config import TierConfig
 
 __all__ = ["TableEngine", "TablePlan"]
 

@@ -16,11 +16,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from ..gemv import mix_history
-from ..mechanism import BandMF
-from ..noise import BLOCK, KeyedNoise
-from .csc import CoalescedCSC
-from .schedule import AccessSchedule
+from cocoon_ckpt.dp.gemv import mix_history
+from cocoon_ckpt.dp.mechanism import BandMF
+from cocoon_ckpt.dp.noise import BLOCK, KeyedNoise
+from cocoon_ckpt.embedding.csc import CoalescedCSC
+from cocoon_ckpt.embedding.schedule import AccessSchedule
 
 __all__ = ["default_tile_rows", "precompute_csc", "table_key", "table_noise"]
 

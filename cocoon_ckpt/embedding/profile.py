@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..mechanism import BandMF
-from ..noise import BLOCK, CorrelatedNoise
+from cocoon_ckpt.dp.mechanism import BandMF
+from cocoon_ckpt.dp.noise import BLOCK, CorrelatedNoise
 
 __all__ = ["UnitCosts", "choose_threshold", "measure_unit_costs"]
 

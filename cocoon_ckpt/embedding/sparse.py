@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from ..errors import UnsupportedModelError
-from .config import TableSpec
+from cocoon_ckpt.embedding.config import TableSpec
+from cocoon_ckpt.errors import UnsupportedModelError
 
 __all__ = ["SparseGrads", "check_tables", "gather_rows", "sparse_per_sample", "sum_rows"]
 

@@ -9,14 +9,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from .._state_dict import check_state
-from ..mechanism import BandMF
-from ..tiers.config import TierConfig
-from .config import EmbeddingConfig, TableMode
-from .engine import TableEngine, TablePlan
-from .profile import choose_threshold, measure_unit_costs
-from .schedule import AccessSchedule, table_schedule
-from .sparse import check_tables
+from cocoon_ckpt._state_dict import check_state
+from cocoon_ckpt.dp.mechanism import BandMF
+from cocoon_ckpt.embedding.config import EmbeddingConfig, TableMode
+from cocoon_ckpt.embedding.engine import TableEngine, TablePlan
+from cocoon_ckpt.embedding.profile import choose_threshold, measure_unit_costs
+from cocoon_ckpt.embedding.schedule import AccessSchedule, table_schedule
+from cocoon_ckpt.embedding.sparse import check_tables
+from cocoon_ckpt.tiers.config import TierConfig
 
 __all__ = ["EmbeddingNoise"]
 

@@ -7,17 +7,17 @@ Names load on first use (PEP 562): the far-memory worker process imports
 
 from typing import TYPE_CHECKING
 
-from .._lazy import attach
+from cocoon_ckpt._lazy import attach
 
 if TYPE_CHECKING:
-    from .base import GemvMode, Tier, TierCapacityError, TierError, TierKind
-    from .build import build_history, free_host_bytes
-    from .config import TierConfig
-    from .device import DeviceTier, default_device
-    from .far import FarTier
-    from .history import TieredHistory
-    from .host import HostTier
-    from .planner import Plan, capacity_units, plan_units, profile_tiers
+    from cocoon_ckpt.tiers.base import GemvMode, Tier, TierCapacityError, TierError, TierKind
+    from cocoon_ckpt.tiers.build import build_history, free_host_bytes
+    from cocoon_ckpt.tiers.config import TierConfig
+    from cocoon_ckpt.tiers.device import DeviceTier, default_device
+    from cocoon_ckpt.tiers.far import FarTier
+    from cocoon_ckpt.tiers.history import TieredHistory
+    from cocoon_ckpt.tiers.host import HostTier
+    from cocoon_ckpt.tiers.planner import Plan, capacity_units, plan_units, profile_tiers
 
 _LAZY = {
     "DeviceTier": "device",

@@ -5,7 +5,7 @@ read-only, receives only commands on stdin (the mixing vector itself lies in a s
 memory file), computes the GEMV next to its data with the fixed-order kernel, writes
 the partial result into the shared output file, models the link by holding the reply
 until (mix + result bytes) / bandwidth has passed, and answers one JSON line. It imports
-numpy and `cocoon_ckpt.gemv` only. EOF on stdin (its owner died) ends it.
+numpy and `cocoon_ckpt.dp.gemv` only. EOF on stdin (its owner died) ends it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from cocoon_ckpt.gemv import mix_history
+from cocoon_ckpt.dp.gemv import mix_history
 
 
 def _link_wait(start: float, nbytes: int, bandwidth: float | None) -> float:

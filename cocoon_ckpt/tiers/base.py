@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CocoonError
+from cocoon_ckpt.errors import CocoonError
 
 __all__ = ["GemvMode", "Tier", "TierCapacityError", "TierError", "TierKind"]
 
@@ -42,7 +42,7 @@ class TierKind(enum.Enum):
 
 class GemvMode(enum.Enum):
     """Where each step's history GEMV runs. Every mode gives bit-identical w (the kernel
-    in `cocoon_ckpt.gemv` has one order of rounding); they differ only in time."""
+    in `cocoon_ckpt.dp.gemv` has one order of rounding); they differ only in time."""
 
     NEAR_DATA = "near_data"
     """Each tier computes its shard where it lies, all at once; results merge (Cocoon)."""

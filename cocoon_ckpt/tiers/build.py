@@ -10,14 +10,14 @@ from typing import Any
 
 import numpy as np
 
-from ..noise import BLOCK
-from .base import GemvMode, Tier, TierCapacityError, TierKind
-from .config import TierConfig
-from .device import DeviceTier, default_device
-from .far import FarTier
-from .history import TieredHistory
-from .host import HostTier
-from .planner import Plan, capacity_units, plan_units, profile_tiers
+from cocoon_ckpt.dp.noise import BLOCK
+from cocoon_ckpt.tiers.base import GemvMode, Tier, TierCapacityError, TierKind
+from cocoon_ckpt.tiers.config import TierConfig
+from cocoon_ckpt.tiers.device import DeviceTier, default_device
+from cocoon_ckpt.tiers.far import FarTier
+from cocoon_ckpt.tiers.history import TieredHistory
+from cocoon_ckpt.tiers.host import HostTier
+from cocoon_ckpt.tiers.planner import Plan, capacity_units, plan_units, profile_tiers
 
 __all__ = ["build_history", "free_host_bytes"]
 

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .base import GemvMode
+from cocoon_ckpt.tiers.base import GemvMode
 
 __all__ = ["TierConfig"]
 

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..gemv import mix_history_torch
-from .base import Tier, TierKind
+from cocoon_ckpt.dp.gemv import mix_history_torch
+from cocoon_ckpt.tiers.base import Tier, TierKind
 
 __all__ = ["DeviceTier", "default_device"]
 

@@ -37,9 +37,8 @@ from typing import IO, Any
 
 import numpy as np
 
+from cocoon_ckpt.tiers.base import Tier, TierError, TierKind
 from state.process import owner_alive, process_start, this_host
-
-from .base import Tier, TierError, TierKind
 
 __all__ = ["FarTier", "sweep_dead_owners"]
 

@@ -5,7 +5,7 @@ writes each new w_t across them, and computes the step's GEMV in the chosen
 `GemvMode`: near the data on every tier at once (the tiers run in parallel: threads for
 host and device, the worker process for far), or one of the two baselines that pull
 every shard to one place. Every mode and every split gives bit-identical results (the
-kernel of `cocoon_ckpt.gemv` has one order of rounding).
+kernel of `cocoon_ckpt.dp.gemv` has one order of rounding).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from ..gemv import mix_history
-from .base import GemvMode, Tier, TierError, TierKind
-from .host import HostTier
+from cocoon_ckpt.dp.gemv import mix_history
+from cocoon_ckpt.tiers.base import GemvMode, Tier, TierError, TierKind
+from cocoon_ckpt.tiers.host import HostTier
 
 __all__ = ["TieredHistory"]
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from ..gemv import mix_history
-from .base import Tier, TierKind
+from cocoon_ckpt.dp.gemv import mix_history
+from cocoon_ckpt.tiers.base import Tier, TierKind
 
 __all__ = ["HostTier"]
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from ..noise import BLOCK
-from .base import Tier, TierCapacityError, TierKind
+from cocoon_ckpt.dp.noise import BLOCK
+from cocoon_ckpt.tiers.base import Tier, TierCapacityError, TierKind
 
 __all__ = ["Plan", "capacity_units", "plan_units", "profile_tiers"]
 

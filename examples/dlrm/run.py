@@ -9,7 +9,7 @@ from cocoon_ckpt import DPConfig, JobConfig, export_model, run_job
 
 store = sys.argv[1] if len(sys.argv) > 1 else "runs/example-dlrm.zarr"
 config = JobConfig(
-    job="example:dlrm",  # cocoon_ckpt/jobs/dlrm.py: 4 tables, Zipf 1.1 ids
+    job="example:dlrm",  # cocoon_ckpt/examples/dlrm.py: 4 tables, Zipf 1.1 ids
     dp=DPConfig(steps=60, batch_size=64, dataset_size=4096, noise_multiplier=1.0, bands=8),
     options={"tables": [2000, 1000, 500, 100], "dim": 8},
     checkpoint_every=10,

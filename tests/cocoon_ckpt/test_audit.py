@@ -17,10 +17,10 @@ import pytest
 import zarr
 
 from cocoon_ckpt import NoiseKeyError, run_job
-from cocoon_ckpt.audit import audit_store
-from cocoon_ckpt.catalog import collect_garbage, diff_versions, inspect_store
-from cocoon_ckpt.cli import main
-from cocoon_ckpt.config import fingerprint
+from cocoon_ckpt._cli.main import main
+from cocoon_ckpt.tools.audit import audit_store
+from cocoon_ckpt.tools.catalog import collect_garbage, diff_versions, inspect_store
+from cocoon_ckpt.train.config import fingerprint
 from state import LeaseHeldError, Store, array_checksum, restamp
 
 from .conftest import job_config
@@ -256,7 +256,7 @@ Path(os.environ["MARKER_DIR"], "imported").write_text("the store's job ran")
 
 
 def build(config):
-    from cocoon_ckpt.jobs.dlrm import build as dlrm
+    from cocoon_ckpt.examples.dlrm import build as dlrm
 
     Path(os.environ["MARKER_DIR"], "built").write_text("the job was built")
     return dlrm(config)

@@ -17,9 +17,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cocoon_ckpt.checkpoint import model_state
-from cocoon_ckpt.distributed import shard_bounds
-from cocoon_ckpt.noise import BLOCK
+from cocoon_ckpt.dp.noise import BLOCK
+from cocoon_ckpt.train.checkpoint import model_state
+from cocoon_ckpt.train.distributed import shard_bounds
 from state import Store, Version
 
 pytestmark = pytest.mark.slow

@@ -24,7 +24,7 @@ from cocoon_ckpt.embedding import (
     precompute_csc,
     table_noise,
 )
-from cocoon_ckpt.jobs.dlrm import CRITEO_KAGGLE_ROWS, table_rows, zipf_ids
+from cocoon_ckpt.examples.dlrm import CRITEO_KAGGLE_ROWS, table_rows, zipf_ids
 
 KEY = bytes(range(32))
 SPEC = TableSpec(param="emb.weight", data_index=0, column=0)

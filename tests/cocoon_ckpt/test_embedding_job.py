@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from cocoon_ckpt import DPConfig, DPTrainer, JobConfig, export_model, run_job
-from cocoon_ckpt.checkpoint import model_state
 from cocoon_ckpt.embedding import EmbeddingConfig, TableMode
 from cocoon_ckpt.errors import ConfigMismatchError
-from cocoon_ckpt.job import build_trainer
+from cocoon_ckpt.train.checkpoint import model_state
+from cocoon_ckpt.train.runner import build_trainer
 from state import Store, StoreError
 
 KEY = bytes(range(32))

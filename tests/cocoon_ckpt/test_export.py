@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from cocoon_ckpt import epsilon
-from cocoon_ckpt.audit import audit_store
-from cocoon_ckpt.catalog import inspect_store
-from cocoon_ckpt.cli import main
-from cocoon_ckpt.export import ExportPathError, export_model
+from cocoon_ckpt._cli.main import main
+from cocoon_ckpt.tools.audit import audit_store
+from cocoon_ckpt.tools.catalog import inspect_store
+from cocoon_ckpt.tools.export import ExportPathError, export_model
 from state import CorruptVersionError, StoreError
 
 from .test_audit import _edit_manifests, _manifests, _tree, clean_store  # noqa: F401

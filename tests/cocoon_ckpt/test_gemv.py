@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cocoon_ckpt import _gemv_kernel
-from cocoon_ckpt.gemv import COMPILED_MIN_ELEMENTS, mix_history, mix_history_reference
+from cocoon_ckpt.dp import _gemv_kernel
+from cocoon_ckpt.dp.gemv import COMPILED_MIN_ELEMENTS, mix_history, mix_history_reference
 
 THREADS = sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)})
 

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from cocoon_ckpt import DPTrainer, JobConfig, StepResult, run_job
-from cocoon_ckpt.cli import main
+from cocoon_ckpt._cli.main import main
 from cocoon_ckpt.errors import PreemptedError
-from cocoon_ckpt.jobs import JobParts
-from cocoon_ckpt.jobs import mlp as mlp_job
+from cocoon_ckpt.examples import mlp as mlp_job
+from cocoon_ckpt.train.parts import JobParts
 from state import Store
 
 from .conftest import job_config
@@ -30,7 +30,7 @@ from .conftest import job_config
 #: step, so a signal sent after the first commit lands mid-run on any machine.
 SLOW_JOB = """
 import time
-from cocoon_ckpt.jobs import mlp
+from cocoon_ckpt.examples import mlp
 
 def build(config):
     parts = mlp.build(config)

@@ -24,8 +24,8 @@ from cocoon_ckpt.errors import (
     GeneratorMismatchError,
     NoiseKeyError,
 )
-from cocoon_ckpt.jobs import JobParts
 from cocoon_ckpt.keys import create_key_file, key_id, read_key_file
+from cocoon_ckpt.train.parts import JobParts
 from state import CorruptVersionError, Store, restamp
 
 from .conftest import job_config

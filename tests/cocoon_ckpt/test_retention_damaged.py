@@ -27,7 +27,7 @@ def test_training_goes_on_and_keeps_a_damaged_version(
     damaged = raw.replace(b'"step": ', b'"step": 1', 1)  # still valid JSON
     path.write_bytes(damaged)
     folders = sorted(p.name for p in (tmp_path / "s.zarr" / "versions").iterdir())
-    with caplog.at_level(logging.WARNING, logger="cocoon_ckpt.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="cocoon_ckpt.train.checkpoint"):
         run_job(config, url)  # resumes from the newest, commits, retention stops
     assert any("retention skipped" in r.getMessage() for r in caplog.records)
     assert path.read_bytes() == damaged  # neither the manifest ...

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cocoon_ckpt import BandMF, CorrelatedNoise, run_job
-from cocoon_ckpt.gemv import mix_history, mix_history_torch
+from cocoon_ckpt.dp.gemv import mix_history, mix_history_torch
 from cocoon_ckpt.tiers import (
     DeviceTier,
     FarTier,

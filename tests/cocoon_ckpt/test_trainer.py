@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from cocoon_ckpt import DPConfig, DPTrainer, UnsupportedModelError
-from cocoon_ckpt.job import build_trainer
+from cocoon_ckpt.train.runner import build_trainer
 
 from .conftest import job_config
 

@@ -1,0 +1,268 @@
+"""Keyed fresh noise (I1) and the correlated-noise recursion over a ring history (I2).
+
+Fresh noise z_t on coordinate block k is drawn from a generator re-seeded from
+(key, t, k) alone, so any step and any shard can be regenerated independently and the
+noise never depends on the tier split, the number of ranks or any resume. The
+recursion w_t = (z_t - sum_{j=1..b-1} c_j w_{t-j}) / c_0 keeps the last b-1 outputs in
+a ring: step t writes slot t mod (b-1), and the mixing vector is rotated to match, so
+no memory is ever shifted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from cocoon_ckpt._state_dict import check_state
+from cocoon_ckpt.dp.gemv import GEMV_SCHEME
+from cocoon_ckpt.dp.mechanism import BandMF
+from cocoon_ckpt.errors import GeneratorMismatchError
+from state import hooks
+
+if TYPE_CHECKING:
+    from cocoon_ckpt.tiers.history import TieredHistory
+
+__all__ = ["BLOCK", "GENERATOR_BACKEND", "CorrelatedNoise", "KeyedNoise", "generator_backend"]
+
+#: Coordinates per fresh-noise block: the unit every shard split aligns to.
+BLOCK = 1 << 16
+#: Name of the generator scheme; recorded in every manifest (I3).
+GENERATOR_BACKEND = "torch-mt19937-blake2b-block65536/v1"
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+BEFORE_FRESH = hooks.declare("noise.before_fresh", "before fresh noise z_t is drawn")
+AFTER_FRESH = hooks.declare("noise.after_fresh", "after z_t is drawn, before the GEMV")
+AFTER_GEMV = hooks.declare("noise.after_gemv", "after the history GEMV, before the ring is updated")
+
+
+def generator_backend() -> dict[str, str]:
+    """The generator backend record: scheme plus the torch build that realises it
+    (torch may change its sampling algorithm between releases), and the history GEMV's
+    order of rounding (`cocoon_ckpt.dp.gemv`)."""
+    return {
+        "scheme": GENERATOR_BACKEND,
+        "torch": torch.__version__.split("+")[0],
+        "gemv": GEMV_SCHEME,
+    }
+
+
+def check_generator_backend(recorded: dict[str, Any], *, allow_change: bool = False) -> None:
+    """Refuse to resume on another generator backend unless the caller allows it."""
+    now = generator_backend()
+    if recorded != now and not allow_change:
+        raise GeneratorMismatchError(
+            f"the store's noise came from generator backend {recorded}, this process has "
+            f"{now}: resumed noise would differ from an uninterrupted run. Use the same torch "
+            "release, or pass allow_generator_change=True to accept the difference"
+        )
+
+
+def _dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        if name not in _DTYPES.values():
+            raise ValueError(f"dtype={name} must be torch.float32 or torch.float64")
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"dtype={name!r} must be 'float32' or 'float64'")
+    return _DTYPES[name]
+
+
+class KeyedNoise:
+    """z_t ~ N(0, std^2 I_dim) as a pure function of (key, t, block).
+
+    The key is secret: whoever holds it can regenerate and subtract the noise. It is
+    never printed (repr hides it).
+
+    Args:
+        key: 32 secret bytes (from `secrets.token_bytes(32)`).
+        dim: m, the number of coordinates.
+        std: noise standard deviation (sigma * clip).
+        dtype: float32 or float64.
+    """
+
+    def __init__(self, key: bytes, dim: int, std: float, dtype: str | torch.dtype = "float32"):
+        if not isinstance(key, (bytes, bytearray)) or len(key) != 32:
+            raise ValueError("noise key must be exactly 32 bytes (use secrets.token_bytes(32))")
+        if dim < 1:
+            raise ValueError(f"dim={dim} must be >= 1")
+        if not (std >= 0 and np.isfinite(std)):
+            raise ValueError(f"std={std} must be finite and >= 0")
+        self._key = bytes(key)
+        self.dim = dim
+        self.std = float(std)
+        self.dtype = _dtype(dtype)
+        self._gen = torch.Generator()
+
+    def __repr__(self) -> str:
+        return f"KeyedNoise(dim={self.dim}, std={self.std}, key=<secret>)"
+
+    def block_seed(self, t: int, block: int) -> int:
+        """The 63-bit seed of (t, block), derived from the key with keyed BLAKE2b."""
+        msg = int(t).to_bytes(8, "little") + int(block).to_bytes(8, "little")
+        digest = hashlib.blake2b(msg, key=self._key, digest_size=8, person=b"cocoon-z").digest()
+        return int.from_bytes(digest, "little") >> 1
+
+    def fresh(self, t: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """z_t[start:stop], shape (stop - start,), in `dtype`.
+
+        Whole blocks are drawn and cut, so any range equals the same slice of the whole.
+        """
+        stop = self.dim if stop is None else stop
+        if not 0 <= start <= stop <= self.dim:
+            raise ValueError(f"range [{start}, {stop}) is outside [0, {self.dim})")
+        if t < 0:
+            raise ValueError(f"step t={t} must be >= 0")
+        out = torch.empty(stop - start, dtype=self.dtype)
+        if stop == start:
+            return out
+        buf = torch.empty(BLOCK, dtype=self.dtype)
+        for k in range(start // BLOCK, (stop - 1) // BLOCK + 1):
+            lo, hi = k * BLOCK, (k + 1) * BLOCK
+            self._gen.manual_seed(self.block_seed(t, k))
+            a, z = max(lo, start), min(hi, stop)
+            if a == lo and z == hi:
+                torch.randn(
+                    BLOCK, generator=self._gen, dtype=self.dtype, out=out[a - start : z - start]
+                )
+            else:
+                torch.randn(BLOCK, generator=self._gen, dtype=self.dtype, out=buf)
+                out[a - start : z - start] = buf[a - lo : z - lo]
+        if self.std != 1.0:
+            out.mul_(self.std)
+        return out
+
+
+class CorrelatedNoise:
+    """w_t = C^-1 z for one coordinate range [start, stop), one step at a time.
+
+    State passed in and out explicitly: `state_dict()` holds the next step, the ring
+    layout and (as arrays) the ring slots. `materialize(n)` gives the dense reference.
+
+    Args:
+        mechanism: the BandMF strategy.
+        dim: m, the full model dimension (the key's coordinate space).
+        key: 32 secret bytes.
+        noise_std: sigma * clip.
+        dtype: float32 or float64.
+        start, stop: the coordinate range this instance serves (a shard); whole by default.
+        history: where the ring lives (`cocoon_ckpt.tiers`); one host tier by default.
+    """
+
+    def __init__(
+        self,
+        mechanism: BandMF,
+        dim: int,
+        key: bytes,
+        noise_std: float,
+        dtype: str | torch.dtype = "float32",
+        *,
+        start: int = 0,
+        stop: int | None = None,
+        history: TieredHistory | None = None,
+    ) -> None:
+        self.mechanism = mechanism
+        self.fresh_noise = KeyedNoise(key, dim, noise_std, dtype)
+        self.start = start
+        self.stop = dim if stop is None else stop
+        if not 0 <= self.start <= self.stop <= dim:
+            raise ValueError(f"shard [{start}, {stop}) is outside [0, {dim})")
+        self.dtype = self.fresh_noise.dtype
+        self.t = 0
+        slots = mechanism.bands - 1
+        np_dtype = "float64" if self.dtype == torch.float64 else "float32"
+        if history is None:
+            from cocoon_ckpt.tiers.history import TieredHistory
+
+            history = TieredHistory.single_host(slots, self.stop - self.start, np_dtype)
+        elif (history.slots, history.width, history.dtype.name) != (
+            slots,
+            self.stop - self.start,
+            np_dtype,
+        ):
+            raise ValueError(
+                f"history is ({history.slots}, {history.width}) {history.dtype}, the shard "
+                f"needs ({slots}, {self.stop - self.start}) {np_dtype}"
+            )
+        self.history = history
+        self.slot_steps: list[int | None] = [None] * slots
+        self._c0 = float(mechanism.coefficients[0])
+
+    @property
+    def width(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def ring(self) -> torch.Tensor:
+        """A copy of the ring, (b-1, width), gathered from the tiers."""
+        return torch.from_numpy(self.history.gather())
+
+    def history_bytes(self) -> int:
+        return self.history.nbytes
+
+    def close(self) -> None:
+        """Free the history's tiers (stops a far-memory worker)."""
+        self.history.close()
+
+    def step(self) -> torch.Tensor:
+        """Produce w_t for the current t, push it into the ring, advance t.
+
+        Returns:
+            w_t[start:stop], shape (width,), a fresh tensor (not a view of the ring).
+        """
+        t = self.t
+        hooks.point(BEFORE_FRESH, step=t)
+        z = self.fresh_noise.fresh(t, self.start, self.stop)
+        hooks.point(AFTER_FRESH, step=t)
+        slots = self.mechanism.bands - 1
+        if slots:
+            # Each tier computes its columns where they lie, in one order of rounding.
+            hist = torch.from_numpy(self.history.gemv(self.mechanism.mixing_vector(t)))
+            hooks.point(AFTER_GEMV, step=t)
+            w = (z - hist) / self._c0
+            self.history.write(t % slots, w.numpy())
+            self.slot_steps[t % slots] = t
+        else:
+            w = z / self._c0
+        self.t = t + 1
+        return w
+
+    def materialize(self, n: int) -> torch.Tensor:
+        """Dense reference: all of w_0..w_{n-1} by a triangular solve of C W = Z,
+        (n, width). Does not touch this instance's state."""
+        z = torch.stack([self.fresh_noise.fresh(t, self.start, self.stop) for t in range(n)])
+        c = torch.from_numpy(self.mechanism.matrix(n)).to(self.dtype)
+        return torch.linalg.solve_triangular(c, z, upper=False)
+
+    # state -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Small record plus the ring (the caller stores the ring slots as arrays)."""
+        return {
+            "kind": "CorrelatedNoise",
+            "schema_version": 1,
+            "t": self.t,
+            "start": self.start,
+            "stop": self.stop,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "slot_steps": list(self.slot_steps),
+            "ring": self.ring,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_state(state, "CorrelatedNoise", 1)
+        if (state["start"], state["stop"]) != (self.start, self.stop):
+            raise ValueError(
+                f"ring shard [{state['start']}, {state['stop']}) does not match this "
+                f"instance's [{self.start}, {self.stop})"
+            )
+        ring = torch.as_tensor(state["ring"])
+        want = (self.history.slots, self.history.width)
+        if tuple(ring.shape) != want or ring.dtype != self.dtype:
+            raise ValueError(
+                f"ring is {ring.dtype}{tuple(ring.shape)}, expected {self.dtype}{want}"
+            )
+        self.history.scatter(ring.numpy())
+        self.slot_steps = list(state["slot_steps"])
+        self.t = int(state["t"])

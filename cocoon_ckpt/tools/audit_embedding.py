@@ -1,0 +1,192 @@
+"""Audit of an embedding job's noise: the tables' online rings regenerated from each
+table's key, and (with the job's data, given by the caller) the noise order, CSC
+structure and cold rows' entries recomputed from the schedule and the key."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from cocoon_ckpt.dp.mechanism import BandMF
+from cocoon_ckpt.tools.regenerate import regenerate
+from cocoon_ckpt.train.parts import JobParts
+from state import Manifest, Store, Version
+
+if TYPE_CHECKING:
+    from cocoon_ckpt.tools.audit import AuditReport
+
+__all__ = ["check_embedding"]
+
+
+def check_embedding(
+    store: Store,
+    newest: Manifest,
+    key: bytes,
+    rows_per_table: int,
+    seed: int,
+    report: AuditReport,
+    parts: JobParts | None,
+) -> None:
+    """Each table's online ring against noise regenerated from the table's key; with the
+    job's parts (given by the caller, never resolved from the store), the stored noise
+    order and CSC structure against the schedule rebuilt from the sampler and data, and
+    the entries of random cold rows against a precompute from the key (tiling-
+    independent, so bit for bit)."""
+    from cocoon_ckpt.dp.sampler import CyclicPoissonSampler
+    from cocoon_ckpt.embedding.csc import CoalescedCSC
+    from cocoon_ckpt.embedding.precompute import precompute_csc, table_key, table_noise
+    from cocoon_ckpt.embedding.schedule import table_schedule
+    from cocoon_ckpt.layout import emb_name
+    from cocoon_ckpt.train.config import JobConfig
+
+    emb = newest.records["embedding"]
+    config = JobConfig.from_record(newest.records["config"])
+    dp = config.dp
+    mechanism = BandMF.from_state_dict(newest.records["mechanism"])
+    std = dp.noise_multiplier * dp.max_grad_norm
+    ver = Version(store, newest)
+    rng = np.random.default_rng(seed)
+    slots_checked = slots_identical = 0
+    for t in emb["tables"]:
+        ring_checked, ring_same = _check_table_ring(
+            ver, t, table_key(key, t["param"]), mechanism, std, rng, report
+        )
+        slots_checked += ring_checked
+        slots_identical += ring_same
+    report.checks["embedding"] = {
+        "tables": len(emb["tables"]),
+        "threat_model": emb["threat_model"],
+        "online_slots": slots_checked,
+        "online_slots_bit_identical": slots_identical,
+        "seed": seed,
+    }
+    if parts is None:
+        report.skipped.append(
+            f"embedding schedule: the noise order, CSC structure and cold rows' entries of "
+            f"{len(emb['tables'])} tables need the job's data (job {config.job!r} is named by "
+            "the store, and audit runs no code a store names): pass --job MODULE:FUNCTION or "
+            "--example NAME (job= in Python) to check them"
+        )
+        return
+    specs = {s.param: s for s in (config.embedding.tables if config.embedding else ())}
+    specs = specs or {s.param: s for s in parts.tables}
+    sampler = CyclicPoissonSampler(
+        dataset_size=dp.dataset_size, batch_size=dp.batch_size, bands=dp.bands, seed=dp.seed
+    )
+    batches = sampler.schedule(dp.steps)
+    checked = identical = 0
+    for t in emb["tables"]:
+        param, plan = t["param"], t["plan"]
+        spec = specs.get(param)
+        if spec is None:
+            report.add(
+                "embedding",
+                f"table {param} of the store is not a table of the job given",
+                newest.version,
+            )
+            continue
+        sched = table_schedule(
+            parts.data[spec.data_index][:, spec.column].numpy(), batches, int(t["rows"])
+        )
+        order = sched.noise_order()
+        if not np.array_equal(ver.array(emb_name(param, "order")), order):
+            report.add(
+                "embedding",
+                f"table {param}: the stored noise order differs from the one the job's "
+                "sampler and data give",
+                newest.version,
+            )
+            continue
+        if plan["mode"] != "coalesced" or t.get("csc") is None:
+            continue
+        csc = CoalescedCSC.from_arrays(
+            {k: ver.array(emb_name(param, f"csc/{k}")) for k in ("col_ptr", "rows", "values")}
+        )
+        hot = int(plan["hot"])
+        hot_rows = set(order[:hot].tolist())
+        for step in range(sched.steps):
+            rows, _ = csc.column(step)
+            want = [r for r in sched.rows_at(step).tolist() if r not in hot_rows]
+            if rows.tolist() != want:
+                report.add(
+                    "embedding",
+                    f"table {param}: CSC column {step} holds rows {rows.tolist()[:8]}..., the "
+                    f"schedule's cold reads are {want[:8]}...",
+                    newest.version,
+                )
+                break
+        cold = np.arange(hot, sched.rows)
+        if cold.size == 0:
+            continue
+        pick = np.sort(rng.choice(cold, size=min(rows_per_table, cold.size), replace=False))
+        dim = int(t["dim"])
+        dtype = str(csc.values.dtype)
+        again = precompute_csc(
+            sched,
+            order,
+            hot,
+            dim,
+            mechanism,
+            table_noise(key, param, sched.rows, dim, std, dtype),
+            np.asarray(
+                config.embedding.lr_schedule
+                if config.embedding and config.embedding.lr_schedule
+                else [config.lr] * dp.steps
+            )
+            / dp.batch_size,
+            tiles=[np.array([p]) for p in pick],
+        )
+        # both CSCs list entries by (column, row): the picked rows' entries line up
+        mask = np.isin(csc.rows, order[pick])
+        cols = np.repeat(np.arange(csc.steps + 1), np.diff(csc.col_ptr))[mask]
+        exp_cols = np.repeat(np.arange(again.steps + 1), np.diff(again.col_ptr))
+        same = 0
+        if cols.size == exp_cols.size:
+            ok = (cols == exp_cols) & (csc.rows[mask] == again.rows)
+            ok &= np.all(csc.values[mask] == again.values, axis=1)
+            same = int(ok.sum())
+        checked += int(exp_cols.size)
+        identical += same
+        if same != exp_cols.size:
+            report.add(
+                "embedding",
+                f"table {param}: of {exp_cols.size} entries of {len(pick)} random cold rows "
+                f"recomputed from the key, {exp_cols.size - same} differ from the stored CSC: "
+                "the coalesced noise was altered or came from another key",
+                newest.version,
+            )
+    report.checks["embedding"].update({"entries_recomputed": checked, "bit_identical": identical})
+
+
+def _check_table_ring(
+    ver: Version,
+    t: dict[str, Any],
+    key: bytes,
+    mechanism: BandMF,
+    std: float,
+    rng: np.random.Generator,
+    report: AuditReport,
+) -> tuple[int, int]:
+    """A table's stored online ring (hot rows, or every row of a dense table) against
+    the noise regenerated from the table's key at random coordinates of its noise space."""
+    width = int(t["online_rows"]) * int(t["dim"])
+    if width == 0 or not t["slots"]:
+        return 0, 0
+    coords = np.sort(rng.choice(width, size=min(64, width), replace=False)).astype(np.int64)
+    steps = 1 + max(int(step) for _, step, _ in t["slots"])
+    got = {step: ver.array(name) for _, step, name in t["slots"]}
+    dtype = str(next(iter(got.values())).dtype)
+    want = regenerate(key, mechanism, int(t["rows"]) * int(t["dim"]), std, dtype, coords, steps)
+    same = 0
+    for step, arr in sorted(got.items()):
+        if np.array_equal(arr[coords], want[step]):
+            same += 1
+        else:
+            report.add(
+                "embedding",
+                f"table {t['param']}: online ring slot of step {step} differs from the noise "
+                "regenerated from the key: the stored history was altered",
+                ver.version,
+            )
+    return len(got), same

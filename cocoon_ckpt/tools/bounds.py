@@ -1,0 +1,267 @@
+"""What a version's config allows it to hold, checked before anything is read.
+
+A reader that regenerates noise or reads arrays does work and allocates memory in
+proportion to numbers it reads: step labels, shapes, slot and entry counts. Each is
+checked here against the version's config and model shapes first, so a forged label
+or shape is a finding in microseconds instead of minutes of work or a 1 TB allocation
+(I7). Import-light (no torch).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from cocoon_ckpt.train.config import JobConfig
+from state import Manifest
+
+__all__ = ["VersionBounds", "check_bounds"]
+
+#: Largest RNG state arrays a version holds (torch CPU: 5056 bytes; numpy MT19937: 624).
+_RNG_MAX = 1 << 16
+_NOISE_DTYPES = ("float32", "float64")
+
+
+@dataclass(slots=True)
+class VersionBounds:
+    """What `check_bounds` found for one version."""
+
+    problems: list[str] = field(default_factory=list)
+    """One line per number outside what the config allows."""
+    unsafe: set[str] = field(default_factory=set)
+    """Array names whose recorded shape or role is out of bounds: never read them."""
+    noise_ok: bool = True
+    """The dense noise records (mechanism, dim, shards, slot labels) may drive
+    regeneration."""
+    embedding_ok: bool = True
+    """The embedding records may drive regeneration and recomputation."""
+    steps: int = 0
+    """n from the config (0 when the config is unreadable)."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _numel(shape: Any) -> int:
+    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+        raise ValueError(f"shape {shape!r} is not a list of sizes")
+    return math.prod(shape)
+
+
+def _int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what} {value!r} is not an integer")
+    return value
+
+
+class _Checker:
+    def __init__(self, m: Manifest, out: VersionBounds, bands: int) -> None:
+        self.m = m
+        self.out = out
+        self.bands = bands
+        self.claimed: set[str] = set()
+
+    def problem(self, msg: str, *names: str) -> None:
+        self.out.problems.append(msg)
+        self.out.unsafe.update(names)
+
+    def array(self, name: str, shape: tuple[int, ...], dtype: str | None = None) -> bool:
+        """The array `name` exists with this shape (and dtype); marks it claimed."""
+        meta = self.m.arrays.get(name)
+        if meta is None:
+            self.problem(f"records name array {name}, which the manifest does not list")
+            return False
+        self.claimed.add(name)
+        if meta.shape != shape or (dtype is not None and meta.dtype != dtype):
+            self.problem(
+                f"array {name} is recorded as {meta.dtype}{list(meta.shape)}, the config "
+                f"allows {dtype or meta.dtype}{list(shape)}",
+                name,
+            )
+            return False
+        return True
+
+    def window(self, step: Any, what: str) -> int:
+        """A ring slot label: w of a step in [step - (b-1), step), the version's window."""
+        s = _int(step, f"{what} step label")
+        lo = max(0, self.m.step - (self.bands - 1))
+        if not lo <= s < self.m.step:
+            raise ValueError(
+                f"{what} is labelled step {s}, outside [{lo}, {self.m.step}): a version at "
+                f"step {self.m.step} with b={self.bands} holds only the last b-1 steps"
+            )
+        return s
+
+
+def _slots(c: _Checker, slots: Any, what: str) -> list[tuple[int, str]]:
+    if not isinstance(slots, list) or len(slots) > c.bands - 1:
+        raise ValueError(
+            f"{what} lists {len(slots) if isinstance(slots, list) else slots!r} "
+            f"slots, more than b-1 = {c.bands - 1}"
+        )
+    out: list[tuple[int, str]] = []
+    seen: set[int] = set()
+    for entry in slots:
+        idx, step, name = entry
+        if not 0 <= _int(idx, f"{what} slot index") < c.bands - 1:
+            raise ValueError(f"{what} slot index {idx} is outside [0, {c.bands - 1})")
+        s = c.window(step, f"{what} slot {name}")
+        if s in seen:
+            raise ValueError(f"{what} holds step {s} twice")
+        seen.add(s)
+        out.append((s, str(name)))
+    return out
+
+
+def _noise(c: _Checker, rec: dict[str, Any], shapes: dict[str, list[int]]) -> None:
+    mech = rec["mechanism"]
+    coeffs = mech["coefficients"]
+    if not isinstance(coeffs, list) or len(coeffs) != c.bands:
+        raise ValueError(
+            f"mechanism record holds {len(coeffs) if isinstance(coeffs, list) else coeffs!r} "
+            f"coefficients, the config's b = {c.bands}"
+        )
+    noise = rec["noise"]
+    dim = _int(noise["dim"], "noise dim")
+    names = rec.get("param_names")
+    if isinstance(names, list):
+        want = sum(_numel(shapes[p]) for p in names)
+        if dim != want:
+            raise ValueError(f"noise dim {dim} is not {want}, the size of the noised parameters")
+    elif not 0 <= dim <= sum(_numel(s) for s in shapes.values()):
+        raise ValueError(f"noise dim {dim} exceeds the model's size")
+    dtype = noise["dtype"]
+    if dtype not in _NOISE_DTYPES:
+        raise ValueError(f"noise dtype {dtype!r} is not one of {_NOISE_DTYPES}")
+    for shard in noise["shards"]:
+        start, stop = _int(shard["start"], "shard start"), _int(shard["stop"], "shard stop")
+        if not 0 <= start < stop <= dim:
+            raise ValueError(f"noise shard [{start}, {stop}) is not inside [0, {dim})")
+        for _s, name in _slots(c, shard["slots"], "ring"):
+            if not c.array(name, (stop - start,), dtype):
+                c.out.noise_ok = False
+
+
+def _embedding(c: _Checker, emb: dict[str, Any], shapes: dict[str, list[int]], n: int) -> None:
+    for t in emb["tables"]:
+        param = t["param"]
+        shape = shapes.get(param)
+        rows, dim = _int(t["rows"], "table rows"), _int(t["dim"], "table dim")
+        if shape != [rows, dim]:
+            raise ValueError(f"table {param} is recorded as {rows} x {dim}, the model as {shape}")
+        online = _int(t["online_rows"], "table online_rows")
+        if not 0 <= online <= rows:
+            raise ValueError(f"table {param}: online_rows {online} is outside [0, {rows}]")
+        hot = _int(t["plan"].get("hot", 0), "table hot rows")
+        if not 0 <= hot <= rows:
+            raise ValueError(f"table {param}: hot rows {hot} outside [0, {rows}]")
+        ok = True
+        for _s, name in _slots(c, t["slots"], f"table {param}"):
+            ok &= c.array(name, (online * dim,))
+        order = f"emb/{param}/order"
+        if order in c.m.arrays:
+            ok &= c.array(order, (rows,), "int64")
+        if t.get("csc") is not None:
+            ptr = f"emb/{param}/csc/col_ptr"
+            entries = c.m.arrays[f"emb/{param}/csc/rows"].shape
+            e = entries[0] if len(entries) == 1 else -1
+            if not 0 <= e <= rows * (n + 1):
+                c.problem(
+                    f"table {param}: the CSC lists {entries} entries, more than rows x (n+1) "
+                    f"= {rows * (n + 1)}",
+                    f"emb/{param}/csc/rows",
+                    f"emb/{param}/csc/values",
+                )
+                ok = False
+            else:
+                ok &= c.array(ptr, (n + 2,), "int64")
+                ok &= c.array(f"emb/{param}/csc/rows", (e,), "int64")
+                ok &= c.array(f"emb/{param}/csc/values", (e, dim))
+        if not ok:
+            c.out.embedding_ok = False
+
+
+def _plain_arrays(c: _Checker, shapes: dict[str, list[int]]) -> None:
+    biggest = max((_numel(s) for s in shapes.values()), default=0)
+    for name, meta in c.m.arrays.items():
+        top = name.split("/", 1)[0]
+        if name in c.claimed or top in ("ring", "emb"):
+            continue
+        if top == "model":
+            want = shapes.get(name[len("model/") :])
+            if want is None:
+                c.problem(f"array {name} is not a parameter of the recorded model", name)
+            elif list(meta.shape) != want:
+                c.problem(
+                    f"array {name} is recorded as {list(meta.shape)}, the model shape is {want}",
+                    name,
+                )
+        elif top == "optim":
+            # optimizer state: a scalar (step) or a tensor the size of some parameter
+            if math.prod(meta.shape) > biggest:
+                c.problem(
+                    f"array {name} holds {math.prod(meta.shape)} values, more than the "
+                    f"largest parameter ({biggest})",
+                    name,
+                )
+        elif top == "rng":
+            if math.prod(meta.shape) > _RNG_MAX:
+                c.problem(
+                    f"array {name} holds {math.prod(meta.shape)} values, not an RNG state", name
+                )
+        else:
+            c.problem(
+                f"array {name} is not referenced by the version's records, nor of a kind "
+                "the job writes",
+                name,
+            )
+
+
+def check_bounds(m: Manifest) -> VersionBounds:
+    """Every step label, shape and count of version `m` against its config.
+
+    Never raises on malformed records: each is a problem in the result.
+    """
+    out = VersionBounds()
+    rec = m.records
+    try:
+        config = JobConfig.from_record(rec["config"])
+        shapes = rec["model_shapes"]
+        if not isinstance(shapes, dict):
+            raise ValueError("model_shapes is not a mapping")
+        for s in shapes.values():
+            _numel(s)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        out.problems.append(f"the config or model shapes cannot be read ({exc})")
+        out.unsafe.update(m.arrays)
+        out.noise_ok = out.embedding_ok = False
+        return out
+    n = config.dp.steps
+    out.steps = n
+    c = _Checker(m, out, config.dp.bands)
+    if not 0 <= m.step <= n:
+        out.problems.append(f"the version is at step {m.step}, outside the config's [0, {n}]")
+        out.unsafe.update(m.arrays)
+        out.noise_ok = out.embedding_ok = False
+        return out
+    try:
+        _noise(c, rec, shapes)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        out.problems.append(f"noise records out of bounds ({exc})")
+        out.noise_ok = False
+    if rec.get("embedding") is not None:
+        try:
+            _embedding(c, rec["embedding"], shapes, n)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            out.problems.append(f"embedding records out of bounds ({exc})")
+            out.embedding_ok = False
+    # noise arrays the records failed to vouch for are never read
+    for name in m.arrays:
+        if name not in c.claimed and name.split("/", 1)[0] in ("ring", "emb"):
+            out.unsafe.add(name)
+            if out.noise_ok and out.embedding_ok:
+                out.problems.append(f"array {name} is not referenced by the version's records")
+    _plain_arrays(c, shapes)
+    return out

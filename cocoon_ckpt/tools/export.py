@@ -1,0 +1,236 @@
+"""Export a finished job's model and its privacy report; read a store's recorded config.
+
+Nothing is trusted that can be derived (I7): "finished" is the verified step count
+against the verified config (never the stored `complete` flag), epsilon is recomputed
+from the config, and the fingerprint is recomputed from the config and shapes. The two
+output files appear together or not at all, never inside the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import math
+import os
+import tempfile
+from typing import Any
+
+import torch
+
+from cocoon_ckpt.dp.accountant import AccountingMethod
+from cocoon_ckpt.dp.accountant import epsilon as compute_epsilon
+from cocoon_ckpt.errors import CocoonError
+from cocoon_ckpt.layout import THREAT_MODEL_DEFAULT
+from cocoon_ckpt.tools.guarantee import describe
+from cocoon_ckpt.train import config as cfgmod
+from cocoon_ckpt.train.checkpoint import model_state
+from cocoon_ckpt.train.config import JobConfig
+from state import CorruptVersionError, Store, StoreError, Version
+from state.paths import manifest_path
+
+__all__ = ["REPORT_SUFFIX", "ExportPathError", "export_model", "read_config"]
+
+#: The privacy report lies beside the model: `<out>` + this.
+REPORT_SUFFIX = ".privacy.json"
+
+
+class ExportPathError(CocoonError, ValueError):
+    """`export --out` names a path export must not write: inside the store, in a
+    missing folder, or a file that already exists."""
+
+
+def _damaged(version: Version, what: str) -> CorruptVersionError:
+    return CorruptVersionError(
+        f"version {version.version} of {version.store.url}: {what}; run `cocoon-ckpt audit` "
+        "on the store",
+        version=version.version,
+        path=manifest_path(version.version),
+    )
+
+
+def _inside(path: str, root: str) -> bool:
+    return os.path.commonpath([path, root]) == root
+
+
+def _check_out(store: Store, out: str) -> tuple[str, str]:
+    """The model and report paths, after every check that can refuse them."""
+    report = out + REPORT_SUFFIX
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise ExportPathError(
+            f"--out {out}: folder {folder} does not exist; create it first (mkdir -p {folder})"
+        )
+    if store.backend.local:
+        root = os.path.realpath(store.backend.path(""))
+        for p in (out, report):
+            # realpath follows a link at the last component too: a link into the store
+            # is as dangerous as a path inside it
+            if _inside(os.path.realpath(p), root):
+                raise ExportPathError(
+                    f"--out {out}: {p} lies inside the store {store.url}, where it could "
+                    "overwrite the noise key or history; choose a path outside the store"
+                )
+    for p in (out, report):
+        if os.path.lexists(p):
+            raise ExportPathError(
+                f"--out {out}: {p} already exists; export writes a new model and report "
+                "pair: remove the old pair or choose another --out"
+            )
+    return out, report
+
+
+def _write_temp(folder: str, name: str, write: Any) -> str:
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return tmp
+
+
+def _publish(tmp: str, path: str) -> None:
+    """Create `path` as `tmp`'s content, refusing to replace an existing file."""
+    try:
+        os.link(tmp, path)
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+        # no hard links on this file system: rename, after the existence check above
+        os.rename(tmp, path)
+
+
+def _write_pair(model: dict[str, torch.Tensor], report: dict[str, Any], out: str) -> None:
+    """Both files or neither: temps written and fsynced first, then linked in, the report
+    first (a report without its model releases nothing); a failed second link removes
+    the first."""
+    folder = os.path.dirname(os.path.abspath(out))
+    base = os.path.basename(out)
+    temps: list[str] = []
+    published: list[str] = []
+    try:
+        temps.append(_write_temp(folder, base, lambda f: torch.save(model, f)))
+        doc = json.dumps(report, indent=1).encode()
+        temps.append(_write_temp(folder, base + REPORT_SUFFIX, lambda f: f.write(doc)))
+        for tmp, path in ((temps[1], out + REPORT_SUFFIX), (temps[0], out)):
+            _publish(tmp, path)
+            published.append(path)
+        dfd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except BaseException:
+        for p in published:
+            with contextlib.suppress(OSError):
+                os.unlink(p)
+        raise
+    finally:
+        for tmp in temps:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def export_model(
+    store_url: str,
+    out: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    allow_incomplete: bool = False,
+) -> dict[str, Any]:
+    """Write the final model's state_dict (no noise state) to `out` and its privacy
+    report to `out + ".privacy.json"`, both or neither.
+
+    Args:
+        store_url: the job's store.
+        out: a new file outside the store, in an existing folder.
+        storage_options: fsspec options for the store URL.
+        allow_incomplete: export an unfinished job (never under threat model
+            final_model, whose cold rows lack their pending noise until the end).
+
+    Returns:
+        The privacy report (see `cocoon_ckpt.tools.guarantee.describe`), with `source`.
+
+    Raises:
+        ExportPathError: `out` lies inside the store, its folder is missing, or it or
+            its report already exists. Checked before anything is read or written.
+        StoreError: the store has no version, or the job is unfinished.
+        CorruptVersionError: the newest version fails verification, or its records
+            contradict what they can be recomputed from (fingerprint, epsilon, shapes).
+    """
+    store = Store.open(store_url, storage_options=storage_options, create=False)
+    out, report_path = _check_out(store, out)
+    latest = store.latest()
+    if latest is None:
+        raise StoreError(f"{store_url} has no committed version to export; run the job first")
+    rec = latest.records
+    try:
+        config = JobConfig.from_record(rec["config"])
+        fp = cfgmod.fingerprint(rec["config"], rec["model_shapes"])
+        acc = rec["accountant"]
+        method = AccountingMethod(acc.get("method", "pld"))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise _damaged(latest, f"the config or accountant record cannot be read ({exc})") from None
+    dp = config.dp
+    done, planned = latest.step, dp.steps
+    if done > planned:
+        raise _damaged(latest, f"the version is at step {done}, beyond the config's {planned}")
+    if rec.get("fingerprint") != fp:
+        raise _damaged(latest, f"recorded fingerprint {rec.get('fingerprint')} is not {fp}")
+    finished = done == planned
+    tm = rec.get("threat_model", THREAT_MODEL_DEFAULT)
+    if tm == "final_model" and not finished:
+        raise StoreError(
+            f"{store_url}: threat model final_model and the job is at step {done} of "
+            f"{planned}: cold embedding rows of an unfinished job lack their pending noise, "
+            "so this model must not be released. Finish the job, then export"
+        )
+    if not finished and not allow_incomplete:
+        raise StoreError(
+            f"{store_url}: the job is at step {done} of {planned}; export needs a finished "
+            "job (finish it, or pass allow_incomplete=True)"
+        )
+    model = model_state(latest)
+    shapes = {k: list(v.shape) for k, v in model.items()}
+    if shapes != rec["model_shapes"]:
+        raise _damaged(latest, "the model arrays' shapes differ from the recorded model shapes")
+    eps = (
+        compute_epsilon(
+            dp.noise_multiplier,
+            dp.dataset_size,
+            dp.batch_size,
+            done,
+            dp.bands,
+            dp.delta,
+            method.value,
+        )
+        if done > 0
+        else 0.0
+    )
+    stored = acc.get("epsilon")
+    if done > 0 and not (
+        isinstance(stored, (int, float)) and math.isclose(stored, eps, rel_tol=1e-9)
+    ):
+        raise _damaged(
+            latest,
+            f"stored epsilon {stored!r} differs from {eps!r} recomputed from the config for "
+            f"{done} steps",
+        )
+    report = describe(rec, steps_done=done, epsilon=eps, accounting_method=method.value)
+    report["source"] = {"store": store_url, "version": latest.version, "fingerprint": fp}
+    _write_pair(model, report, out)
+    return report
+
+
+def read_config(store_url: str, storage_options: dict[str, Any] | None = None) -> JobConfig:
+    """The JobConfig recorded in a store's newest version."""
+    store = Store.open(store_url, storage_options=storage_options, create=False)
+    versions = store.versions()
+    if not versions:
+        raise StoreError(f"{store_url} has no committed version")
+    return JobConfig.from_record(store.manifest(versions[-1]).records["config"])

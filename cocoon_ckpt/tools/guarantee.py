@@ -1,0 +1,109 @@
+"""What a job's privacy guarantee is about, in words and numbers, from its records.
+
+The one description that export's `OUT.privacy.json`, `audit` and `inspect` print.
+Import-light on purpose (no torch, no dp-accounting): `inspect` uses it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from cocoon_ckpt.layout import THREAT_MODEL_DEFAULT, THREAT_MODELS
+
+__all__ = ["NEIGHBOURING_RELATION", "NEIGHBOURING_RELATION_MEANS", "describe"]
+
+#: The adjacency the guarantee holds under (jax_privacy / dp-accounting: REPLACE_SPECIAL).
+NEIGHBOURING_RELATION = "zero-out"
+
+NEIGHBOURING_RELATION_MEANS = (
+    "two datasets of the same size N are neighbours when one example of one is replaced by "
+    "a zero-out example that contributes a zero gradient (replace-one adjacency); the "
+    "sampler's seeded equal split into b partitions fixes N, so the guarantee does not "
+    "cover adding or removing an example"
+)
+
+#: Optimizer hyperparameters worth reporting (torch param_group keys, when present).
+_HYPER = (
+    "lr",
+    "momentum",
+    "dampening",
+    "nesterov",
+    "weight_decay",
+    "betas",
+    "eps",
+    "amsgrad",
+    "maximize",
+)
+
+
+def _optimizer(config: dict[str, Any], optimizer: dict[str, Any] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": config.get("optimizer"), "lr": config.get("lr")}
+    groups = (optimizer or {}).get("param_groups")
+    if isinstance(groups, list) and groups and isinstance(groups[0], dict):
+        out["param_groups"] = [
+            {k: g[k] for k in _HYPER if k in g} for g in groups if isinstance(g, dict)
+        ]
+    return out
+
+
+def describe(
+    records: dict[str, Any],
+    *,
+    steps_done: int,
+    epsilon: float | None,
+    accounting_method: str,
+) -> dict[str, Any]:
+    """The guarantee of a version: neighbouring relation, N, expected B, q, sampler,
+    optimizer and hyperparameters, epsilon at delta, accounting, steps done / planned,
+    threat model.
+
+    Args:
+        records: a manifest's records (config, optimizer, threat_model, mechanism).
+        steps_done: the verified step count of the version.
+        epsilon: epsilon after `steps_done` steps (the caller says whether it was
+            recomputed or read from the record).
+        accounting_method: `pld` or `rdp`.
+
+    Raises:
+        KeyError, TypeError, ValueError: the config record is missing or malformed.
+    """
+    config = records["config"]
+    dp = config["dp"]
+    n_data, batch, bands = int(dp["dataset_size"]), int(dp["batch_size"]), int(dp["bands"])
+    planned = int(dp["steps"])
+    q = batch * bands / n_data
+    tm = records.get("threat_model", THREAT_MODEL_DEFAULT)
+    rounds = math.ceil(steps_done / bands)
+    return {
+        "epsilon": epsilon,
+        "delta": float(dp["delta"]),
+        "neighbouring_relation": NEIGHBOURING_RELATION,
+        "neighbouring_relation_means": NEIGHBOURING_RELATION_MEANS,
+        "dataset_size": n_data,
+        "expected_batch_size": batch,
+        "sampling_rate": q,
+        "sampler": {
+            "kind": "cyclic_poisson",
+            "partitions": bands,
+            "seed": dp.get("seed"),
+            "means": f"the N={n_data} examples are split once by a seeded permutation into "
+            f"b={bands} equal partitions; step t samples partition t mod b, each of its "
+            f"examples independently with probability q = B b / N = {q:.6g} "
+            f"(expected batch B={batch})",
+        },
+        "optimizer": _optimizer(config, records.get("optimizer")),
+        "mechanism": records.get("mechanism", {}).get("mechanism", dp.get("mechanism")),
+        "bands": bands,
+        "noise_multiplier": float(dp["noise_multiplier"]),
+        "max_grad_norm": float(dp["max_grad_norm"]),
+        "accounting_method": accounting_method,
+        "accounting": f"amplified BandMF: Poisson-subsampled Gaussian with q = B b / N = "
+        f"{q:.6g}, composed ceil(n / b) = {rounds} times (dp-accounting "
+        f"{accounting_method.upper()}; under zero-out adjacency)",
+        "steps": steps_done,
+        "steps_planned": planned,
+        "complete": steps_done == planned,
+        "threat_model": tm,
+        "threat_model_means": THREAT_MODELS.get(tm, "unknown threat model"),
+    }

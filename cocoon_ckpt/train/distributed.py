@@ -1,0 +1,109 @@
+"""Beyond one process: the noise history sharded across ranks of torch.distributed.
+
+Data-parallel training. Each rank clips the per-sample gradients of its part of the
+step's batch; the partial sums are gathered and added in rank order (the same
+association on every rank, so parameters stay identical across ranks). The parameter
+dimension's noise blocks are split across ranks: a rank keeps (b-1)/world of the
+history, draws only its slice of fresh noise (I1) and computes its slice of w_t; one
+all-gather per step gives every rank the whole w_t. With the fixed-order GEMV kernel
+the noise is bit-identical to a single process's for any world size.
+
+The process group is torch.distributed's own (gloo on CPU, NCCL on GPU), initialised
+from torchrun's environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from cocoon_ckpt.dp.noise import BLOCK
+
+__all__ = ["DistContext", "shard_bounds"]
+
+
+def shard_bounds(dim: int, world: int) -> list[tuple[int, int]]:
+    """[start, stop) of each rank's noise coordinates: whole 65,536-coordinate blocks
+    when there are at least as many blocks as ranks (no block is drawn twice), else
+    an even split of the coordinates."""
+    if world < 1:
+        raise ValueError(f"world={world} must be >= 1")
+    blocks = -(-dim // BLOCK)
+    if blocks >= world:
+        cuts = [min(dim, (blocks * r // world) * BLOCK) for r in range(world + 1)]
+    else:
+        cuts = [dim * r // world for r in range(world + 1)]
+    return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class DistContext:
+    """This process's place in the job: rank r of world ranks."""
+
+    rank: int
+    world: int
+
+    @property
+    def is_coordinator(self) -> bool:
+        """Rank 0 holds the lease, writes the manifest and prints."""
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls) -> DistContext | None:
+        """The running process group, or one started from torchrun's environment; None
+        in a single process."""
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size())
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return None
+        if not dist.is_available():
+            raise RuntimeError(f"WORLD_SIZE={world} but this torch build has no torch.distributed")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend=backend)
+        return cls(dist.get_rank(), dist.get_world_size())
+
+    def bounds(self, dim: int) -> tuple[int, int]:
+        return shard_bounds(dim, self.world)[self.rank]
+
+    def my_examples(self, idx: np.ndarray) -> np.ndarray:
+        """This rank's contiguous part of a step's sorted example indices."""
+        return np.array_split(idx, self.world)[self.rank]
+
+    def sum_in_rank_order(self, partial: torch.Tensor) -> torch.Tensor:
+        """sum_r partial_r, added in rank order on every rank (one association)."""
+        parts = [torch.empty_like(partial) for _ in range(self.world)]
+        dist.all_gather(parts, partial.contiguous())
+        out = parts[0].clone()
+        for p in parts[1:]:
+            out += p
+        return out
+
+    def gather_noise(self, shard: torch.Tensor, dim: int) -> torch.Tensor:
+        """The whole w_t from every rank's slice (one all-gather, padded to the widest)."""
+        bounds = shard_bounds(dim, self.world)
+        width = max(z - a for a, z in bounds)
+        buf = torch.zeros(width, dtype=shard.dtype)
+        buf[: shard.numel()] = shard
+        parts = [torch.empty_like(buf) for _ in range(self.world)]
+        dist.all_gather(parts, buf)
+        return torch.cat([p[: z - a] for p, (a, z) in zip(parts, bounds, strict=True)])
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        box = [obj if self.is_coordinator else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        dist.barrier()

@@ -1,0 +1,76 @@
+"""Preemption: SIGTERM (Kubernetes, spot, SLURM) and SIGINT end a job cleanly.
+
+While a job trains, the first signal is only noted: the step in progress finishes, the
+runner writes a checkpoint in the foreground, releases the lease and raises
+`PreemptedError` (the CLI exits 128 + signal: 143, 130). Outside the training loop
+(setting up, precomputing) and on a second signal there is nothing to finish, so the
+signal raises at once; the runner's cleanup still releases the lease.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
+
+from cocoon_ckpt.errors import PreemptedError
+
+__all__ = ["SIGNALS", "Preemption", "exit_code"]
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def exit_code(signum: int) -> int:
+    """The shell's convention for a process ended by `signum` (143 for SIGTERM)."""
+    return 128 + signum
+
+
+class Preemption:
+    """Handlers for SIGTERM and SIGINT while a job runs (main thread only; elsewhere the
+    signals keep their handlers and `requested` stays None).
+
+    Use as a context manager; inside, `deferring()` marks the stretch where a signal is
+    only noted (`requested` holds its number) instead of raising.
+    """
+
+    def __init__(self) -> None:
+        self.requested: int | None = None
+        self._defer = False
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> Preemption:
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            # None: a handler installed from C, which Python cannot reinstall
+            signal.signal(sig, signal.SIG_DFL if old is None else old)
+        self._old.clear()
+
+    @contextlib.contextmanager
+    def deferring(self) -> Iterator[None]:
+        """Within this block a first signal is noted, not raised."""
+        self._defer = True
+        try:
+            yield
+        finally:
+            self._defer = False
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._defer and self.requested is None:
+            self.requested = signum
+            return
+        name = signal.Signals(signum).name
+        raise PreemptedError(
+            f"stopped by {name} before a checkpoint could be written; the newest committed "
+            "version is intact: rerun the same command to resume from it",
+            signum=signum,
+            step=None,
+            version=None,
+        )
