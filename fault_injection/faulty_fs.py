@@ -135,7 +135,7 @@ class FaultyFileSystem(AbstractFileSystem):  # type: ignore[misc]
         """(kind, path) of every fault left at rest: torn, lost and flipped writes."""
         return self._state.log
 
-    def _strip_protocol(self, path: str) -> str:  # type: ignore[override]
+    def _strip_protocol(self, path: str) -> str:
         path = str(path)
         if path.startswith("faulty://"):
             path = path[len("faulty://") :]

@@ -272,7 +272,7 @@ def run_takeover_chaos(
             report.resumes += 1
             opened = Store.open(url, storage_options=storage_options, create=False)
             opened.backend.fs.invalidate_cache()  # fsspec shares one cached instance
-            gens = [(v, opened.manifest(v).writer.get("generation")) for v in opened.versions()]
+            gens = [(v, int(opened.manifest(v).writer["generation"])) for v in opened.versions()]
             b_gen = max(g for _, g in gens)
             first_b = min(v for v, g in gens if g == b_gen)
             late = [v for v, g in gens if v > first_b and g != b_gen]

@@ -93,7 +93,7 @@ def sparse_per_sample(
         out = functional_call(model, (params, b), tuple(inputs))
         return loss_fn(out, xy[-1].unsqueeze(0))
 
-    return vmap(  # type: ignore[no-any-return]
+    return vmap(
         grad_and_value(loss_one, argnums=(0, 2)),
         in_dims=(None, None, 0, *([0] * n_data)),
         randomness="different",

@@ -59,7 +59,8 @@ def zipf_ids(rows: int, n: int, exponent: float, rng: np.random.Generator) -> np
     u = rng.random(n)
     a = 1.0 - exponent
     x = ((float(rows + 1) ** a - 1.0) * u + 1.0) ** (1.0 / a)
-    return np.minimum(np.floor(x).astype(np.int64) - 1, rows - 1)
+    ids: np.ndarray = np.minimum(np.floor(x).astype(np.int64) - 1, rows - 1)
+    return ids
 
 
 class DLRM(nn.Module):
@@ -79,7 +80,8 @@ class DLRM(nn.Module):
         inter = torch.bmm(stack, stack.transpose(1, 2))
         iu = torch.triu_indices(stack.shape[1], stack.shape[1], offset=1)
         feats = torch.cat([z, inter[:, iu[0], iu[1]]], dim=1)
-        return self.top(feats).squeeze(-1)
+        logits: torch.Tensor = self.top(feats).squeeze(-1)
+        return logits
 
 
 def make_data(

@@ -40,7 +40,7 @@ class DeviceTier(Tier):
         super().__init__(capacity)
         self.device = torch.device(device) if device is not None else default_device()
         self.ring = torch.zeros(0, 0)
-        self._stream: Any = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._stream: Any = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # type: ignore[no-untyped-call]
 
     @property
     def emulated(self) -> bool:

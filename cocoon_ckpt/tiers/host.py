@@ -29,7 +29,8 @@ class HostTier(Tier):
         self.ring[slot] = values
 
     def _read_slot(self, slot: int) -> np.ndarray:
-        return self.ring[slot].copy()
+        out: np.ndarray = self.ring[slot].copy()
+        return out
 
     def _pull(self, lo: int, hi: int) -> np.ndarray:
         return self.ring[:, lo:hi].copy()
