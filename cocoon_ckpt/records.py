@@ -1,0 +1,265 @@
+"""The typed schema of a version's manifest records: one TypedDict per record name.
+
+A version's manifest holds small JSON records beside its arrays (docs/store-format.md).
+The snapshot codec (`cocoon_ckpt.train.codec`) writes them and every reader (resume,
+audit, inspect, export, plots) reads them through these types, so the keys have one
+definition. `VersionRecords` lists every record by its name in the manifest; a record
+marked `NotRequired` is absent from stores written before it existed, so readers use
+`.get` for it.
+
+Parts' own state dicts (sampler, accountant, mechanism) are stored as they are: their
+types here name the keys the part's `state_dict()` returns. Nothing here imports torch
+or numpy: `inspect` reads these types torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NotRequired, TypeAlias, TypedDict
+
+__all__ = [
+    "AccountantRecord",
+    "CscRecord",
+    "EmbeddingRecord",
+    "GeneratorRecord",
+    "JobRecords",
+    "MechanismRecord",
+    "ModelShapes",
+    "NoiseRecord",
+    "NumpyRngRecord",
+    "OptimizerRecord",
+    "OptimizerValue",
+    "PlacementRecord",
+    "PythonRngRecord",
+    "RankShard",
+    "RingSlot",
+    "RngRecord",
+    "SamplerRecord",
+    "ShardRecord",
+    "SnapshotRecords",
+    "TablePlanRecord",
+    "TableRecord",
+    "TrainerRecord",
+    "VersionRecords",
+]
+
+#: One stored ring slot: `[slot, step, array name]` (slot index in the ring, the step t
+#: whose w_t it holds, and the version array holding it, width-long).
+RingSlot: TypeAlias = list[Any]
+
+#: `model_shapes`: each model state_dict entry's shape.
+ModelShapes: TypeAlias = dict[str, list[int]]
+
+
+class TrainerRecord(TypedDict):
+    """`trainer`: where the trainer stands."""
+
+    step: int
+    """Steps taken (the next step index t)."""
+
+
+class OptimizerValue(TypedDict, total=False):
+    """One entry of an optimizer parameter's state: a tensor stored as an array, or a
+    JSON value kept in the record."""
+
+    array: str
+    """Version array name holding the tensor (`optim/<idx>/<key>`)."""
+    value: Any
+    """The value itself (a step count, a flag)."""
+
+
+class OptimizerRecord(TypedDict):
+    """`optimizer`: torch's optimizer state_dict with its tensors moved to arrays."""
+
+    param_groups: list[dict[str, Any]]
+    """torch's param_groups, as they are."""
+    state: dict[str, dict[str, OptimizerValue]]
+    """Per parameter index (as a string), per state key."""
+
+
+class SamplerRecord(TypedDict):
+    """`sampler`: `CyclicPoissonSampler.state_dict()`."""
+
+    kind: Literal["CyclicPoissonSampler"]
+    schema_version: int
+    dataset_size: int
+    batch_size: int
+    bands: int
+    seed: int
+
+
+class AccountantRecord(TypedDict):
+    """`accountant`: `Accountant.state_dict()`; `epsilon` is filled in by the writer."""
+
+    kind: Literal["Accountant"]
+    schema_version: int
+    method: str
+    noise_multiplier: float
+    dataset_size: int
+    batch_size: int
+    bands: int
+    delta: float
+    steps: int
+    event: dict[str, Any] | None
+    """The composed dp-accounting event (None before the first step)."""
+    epsilon: float | None
+
+
+class MechanismRecord(TypedDict):
+    """`mechanism`: `BandMF.state_dict()` (the band coefficients, bit for bit)."""
+
+    kind: Literal["BandMF"]
+    schema_version: int
+    mechanism: str
+    steps: int
+    coefficients: list[float]
+
+
+class GeneratorRecord(TypedDict):
+    """`generator`: the noise generator backend (`dp.noise.generator_backend()`)."""
+
+    scheme: str
+    torch: str
+    gemv: str
+
+
+class PlacementRecord(TypedDict):
+    """Which columns of the noise vector lay on which tier when the version was taken."""
+
+    tier: str
+    start: int
+    stop: int
+    device: NotRequired[str]
+    """The device of a device tier."""
+    rank: NotRequired[int]
+    """The rank holding the columns (multi-process jobs)."""
+
+
+class ShardRecord(TypedDict):
+    """One rank's ring shard: columns [start, stop) of every stored slot."""
+
+    start: int
+    stop: int
+    slots: list[RingSlot]
+
+
+class RankShard(ShardRecord):
+    """What a rank reports to the coordinator: its shard and its placement."""
+
+    placement: list[PlacementRecord]
+
+
+class NoiseRecord(TypedDict):
+    """`noise`: the dense correlated noise's state (the ring itself is in arrays)."""
+
+    t: int
+    """Steps of noise generated."""
+    dim: int
+    """Length of the noise vector (the dense parameters, flattened in `param_names`
+    order)."""
+    dtype: str
+    """`float32` or `float64`."""
+    head: int
+    """The ring slot step t writes next (t mod (b-1); 0 when b = 1)."""
+    shards: list[ShardRecord]
+    """The ring, as stored per rank shard (any world size may read it)."""
+    placement: NotRequired[list[PlacementRecord]]
+    plan: NotRequired[dict[str, Any] | None]
+    """The tier plan the history was split by (None: one host tier)."""
+    history_bytes: NotRequired[int]
+
+
+class NumpyRngRecord(TypedDict):
+    """numpy's global generator state, less its key array (array `rng/numpy`)."""
+
+    kind: str
+    pos: int
+    has_gauss: int
+    cached_gaussian: float
+
+
+#: Python's `random.getstate()`: `[version, internal state, gauss_next]`.
+PythonRngRecord: TypeAlias = list[Any]
+
+
+class RngRecord(TypedDict):
+    """`rng`: the global generators' states (torch's is array `rng/torch`)."""
+
+    numpy: NumpyRngRecord
+    python: PythonRngRecord
+
+
+class TablePlanRecord(TypedDict):
+    """An embedding table's plan (`TablePlan.to_record()`)."""
+
+    mode: str
+    hot: int
+    threshold: Any
+    profile: dict[str, Any]
+
+
+class CscRecord(TypedDict):
+    """Size of a table's precomputed coalesced noise (arrays under shared/)."""
+
+    entries: int
+    bytes: int
+    steps: int
+
+
+class TableRecord(TypedDict):
+    """One embedding table's noise state."""
+
+    param: str
+    rows: int
+    dim: int
+    plan: TablePlanRecord
+    t: int
+    """Steps of online noise generated (the trainer's step without an online ring)."""
+    online_rows: int
+    slots: list[RingSlot]
+    """The online ring's slots (whole width)."""
+    csc: CscRecord | None
+    precompute_seconds: NotRequired[float]
+    history_bytes: int
+
+
+class EmbeddingRecord(TypedDict):
+    """`embedding`: the embedding tables' noise state (present only in embedding jobs)."""
+
+    threat_model: str
+    cursor: int
+    tables: list[TableRecord]
+
+
+class SnapshotRecords(TypedDict):
+    """The records a snapshot of the trainer's state writes (the codec's output)."""
+
+    trainer: TrainerRecord
+    optimizer: OptimizerRecord
+    sampler: SamplerRecord
+    accountant: AccountantRecord
+    mechanism: MechanismRecord
+    noise: NoiseRecord
+    generator: GeneratorRecord
+    rng: RngRecord
+    param_names: list[str]
+    """The dense parameters in noise-vector order."""
+    embedding: NotRequired[EmbeddingRecord]
+
+
+class JobRecords(TypedDict):
+    """The records the job runner adds to every version."""
+
+    config: dict[str, Any]
+    """`JobConfig.to_record()`."""
+    fingerprint: str
+    model_shapes: ModelShapes
+    key_id: str
+    """Public id of the noise key (`keys.key_id`)."""
+    key_location: str
+    threat_model: str
+    complete: bool
+    """The job's last step is in this version (a hint only: export re-derives it)."""
+
+
+class VersionRecords(SnapshotRecords, JobRecords):
+    """Every record a version of a job carries, by its name in the manifest."""
