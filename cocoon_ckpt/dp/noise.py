@@ -5,13 +5,17 @@ Fresh noise z_t on coordinate block k is drawn from a generator re-seeded from
 noise never depends on the tier split, the number of ranks or any resume. The
 recursion w_t = (z_t - sum_{j=1..b-1} c_j w_{t-j}) / c_0 keeps the last b-1 outputs in
 a ring: step t writes slot t mod (b-1), and the mixing vector is rotated to match, so
-no memory is ever shifted.
+no memory is ever shifted. `bandmf_step` is that step's one definition: the online
+noise here, the audit's regeneration (`cocoon_ckpt.tools.regenerate`) and the
+embedding precompute (`cocoon_ckpt.embedding.precompute`) all run it. The ring is any
+`cocoon_ckpt.dp.ring.RingHistory`.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,13 +23,18 @@ import torch
 from cocoon_ckpt._state_dict import check_state
 from cocoon_ckpt.dp.gemv import GEMV_SCHEME
 from cocoon_ckpt.dp.mechanism import BandMF
+from cocoon_ckpt.dp.ring import HostRing, RingHistory
 from cocoon_ckpt.errors import GeneratorMismatchError
 from state import hooks
 
-if TYPE_CHECKING:
-    from cocoon_ckpt.tiers.history import TieredHistory
-
-__all__ = ["BLOCK", "GENERATOR_BACKEND", "CorrelatedNoise", "KeyedNoise", "generator_backend"]
+__all__ = [
+    "BLOCK",
+    "GENERATOR_BACKEND",
+    "CorrelatedNoise",
+    "KeyedNoise",
+    "bandmf_step",
+    "generator_backend",
+]
 
 #: Coordinates per fresh-noise block: the unit every shard split aligns to.
 BLOCK = 1 << 16
@@ -96,6 +105,11 @@ class KeyedNoise:
         self.dtype = _dtype(dtype)
         self._gen = torch.Generator()
 
+    @property
+    def np_dtype(self) -> np.dtype[Any]:
+        """`dtype` as a numpy dtype (what a ring of this noise holds)."""
+        return np.dtype(np.float64 if self.dtype == torch.float64 else np.float32)
+
     def __repr__(self) -> str:
         return f"KeyedNoise(dim={self.dim}, std={self.std}, key=<secret>)"
 
@@ -135,6 +149,53 @@ class KeyedNoise:
         return out
 
 
+def bandmf_step(
+    mechanism: BandMF,
+    t: int,
+    z: torch.Tensor,
+    history: RingHistory,
+    *,
+    mix: np.ndarray | None = None,
+    after_gemv: Callable[[int], None] | None = None,
+) -> torch.Tensor:
+    """One step of the BandMF recursion, the one definition every caller runs (the
+    online noise, the audit's regeneration, the embedding precompute):
+    w_t = (z_t - sum_{j=1..b-1} c_j w_{t-j}) / c_0, then w_t goes into ring slot
+    t mod (b-1).
+
+    Bit for bit the same wherever it runs: the history GEMV has one order of rounding
+    (`cocoon_ckpt.dp.gemv`), and the subtraction and the division by c_0 are elementwise
+    torch operations in `z`'s dtype.
+
+    Args:
+        mechanism: the BandMF strategy (b bands).
+        t: the step, >= 0; the ring must hold w_{t-b+1}..w_{t-1} (zeros before step 0).
+        z: fresh noise z_t at the ring's coordinates, (width,) float32 or float64.
+        history: the (b-1, width) ring of past outputs, in `z`'s dtype; updated here.
+        mix: `mechanism.mixing_vector(t)`, when the caller has it already (any float
+            dtype: it is cast to the ring's first).
+        after_gemv: called with t once the GEMV is done, before the ring is written
+            (a crash point).
+
+    Returns:
+        w_t, (width,), a fresh tensor (not a view of the ring).
+    """
+    slots = mechanism.bands - 1
+    c0 = float(mechanism.coefficients[0])
+    if not slots:
+        return z / c0
+    h = history.gemv(mechanism.mixing_vector(t) if mix is None else mix)
+    if after_gemv is not None:
+        after_gemv(t)
+    w = (z - torch.from_numpy(h)) / c0
+    history.write(t % slots, w.numpy())
+    return w
+
+
+def _after_gemv(t: int) -> None:
+    hooks.point(AFTER_GEMV, step=t)
+
+
 class CorrelatedNoise:
     """w_t = C^-1 z for one coordinate range [start, stop), one step at a time.
 
@@ -148,7 +209,8 @@ class CorrelatedNoise:
         noise_std: sigma * clip.
         dtype: float32 or float64.
         start, stop: the coordinate range this instance serves (a shard); whole by default.
-        history: where the ring lives (`cocoon_ckpt.tiers`); one host tier by default.
+        history: where the ring lives, any `RingHistory` (`cocoon_ckpt.tiers` places it
+            over device, host and far memory); a `HostRing` by default.
     """
 
     def __init__(
@@ -161,7 +223,7 @@ class CorrelatedNoise:
         *,
         start: int = 0,
         stop: int | None = None,
-        history: TieredHistory | None = None,
+        history: RingHistory | None = None,
     ) -> None:
         self.mechanism = mechanism
         self.fresh_noise = KeyedNoise(key, dim, noise_std, dtype)
@@ -172,11 +234,9 @@ class CorrelatedNoise:
         self.dtype = self.fresh_noise.dtype
         self.t = 0
         slots = mechanism.bands - 1
-        np_dtype = "float64" if self.dtype == torch.float64 else "float32"
+        np_dtype = self.fresh_noise.np_dtype.name
         if history is None:
-            from cocoon_ckpt.tiers.history import TieredHistory
-
-            history = TieredHistory.single_host(slots, self.stop - self.start, np_dtype)
+            history = HostRing(slots, self.stop - self.start, np_dtype)
         elif (history.slots, history.width, history.dtype.name) != (
             slots,
             self.stop - self.start,
@@ -186,9 +246,8 @@ class CorrelatedNoise:
                 f"history is ({history.slots}, {history.width}) {history.dtype}, the shard "
                 f"needs ({slots}, {self.stop - self.start}) {np_dtype}"
             )
-        self.history = history
+        self.history: RingHistory = history
         self.slot_steps: list[int | None] = [None] * slots
-        self._c0 = float(mechanism.coefficients[0])
 
     @property
     def width(self) -> int:
@@ -216,16 +275,11 @@ class CorrelatedNoise:
         hooks.point(BEFORE_FRESH, step=t)
         z = self.fresh_noise.fresh(t, self.start, self.stop)
         hooks.point(AFTER_FRESH, step=t)
+        # Each tier computes its columns where they lie, in one order of rounding.
+        w = bandmf_step(self.mechanism, t, z, self.history, after_gemv=_after_gemv)
         slots = self.mechanism.bands - 1
         if slots:
-            # Each tier computes its columns where they lie, in one order of rounding.
-            hist = torch.from_numpy(self.history.gemv(self.mechanism.mixing_vector(t)))
-            hooks.point(AFTER_GEMV, step=t)
-            w = (z - hist) / self._c0
-            self.history.write(t % slots, w.numpy())
             self.slot_steps[t % slots] = t
-        else:
-            w = z / self._c0
         self.t = t + 1
         return w
 
@@ -234,7 +288,8 @@ class CorrelatedNoise:
         (n, width). Does not touch this instance's state."""
         z = torch.stack([self.fresh_noise.fresh(t, self.start, self.stop) for t in range(n)])
         c = torch.from_numpy(self.mechanism.matrix(n)).to(self.dtype)
-        return torch.linalg.solve_triangular(c, z, upper=False)
+        w: torch.Tensor = torch.linalg.solve_triangular(c, z, upper=False)
+        return w
 
     # state -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -28,7 +28,8 @@ PULL_CHUNK_BYTES = 8 << 20
 
 
 class TieredHistory:
-    """(slots, width) ring history over tiers, split by columns.
+    """(slots, width) ring history over tiers, split by columns: a
+    `cocoon_ckpt.dp.ring.RingHistory`, bit-identical to the plain `HostRing`.
 
     Args:
         slots: b - 1 ring slots.
@@ -85,7 +86,9 @@ class TieredHistory:
 
     @classmethod
     def single_host(cls, slots: int, width: int, dtype: np.dtype[Any] | str) -> TieredHistory:
-        """Everything on one host tier: the default, with no profiling."""
+        """Everything on one host tier, with no profiling (`build_history` without a
+        config). `CorrelatedNoise` without a history takes the lighter `HostRing`, which
+        gives the same bits."""
         dt = np.dtype(dtype)
         tier = HostTier(slots * width * dt.itemsize)
         return cls(slots, width, dt, [tier], {"host": 1 if width else 0}, max(width, 1))

@@ -1,0 +1,139 @@
+"""Where the correlated noise keeps its last b-1 outputs: the `RingHistory` contract and
+`HostRing`, the plain one-array host ring.
+
+The math (`cocoon_ckpt.dp.noise`) defines what it needs of a history and the tiers
+(`cocoon_ckpt.tiers.history.TieredHistory`) implement it, so `dp` never imports
+`tiers`. Any implementation's `gemv` must compute the sum of `cocoon_ckpt.dp.gemv` in its
+one fixed order of rounding: then the noise is bit-identical whatever holds the ring.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from cocoon_ckpt.dp.gemv import mix_history
+
+__all__ = ["HostRing", "RingHistory"]
+
+
+@runtime_checkable
+class RingHistory(Protocol):
+    """A (slots, width) ring of past outputs w_t, slot t mod slots holding step t.
+
+    Guarantee: `gemv(mix)` returns sum_i mix[i] * ring[i] per coordinate, each product
+    and addition rounded on its own in the order i = 0..slots-1 (`dp.gemv`), so two
+    histories holding the same values give the same bits; `write` then `read` of a slot
+    returns the values written, cast to `dtype`.
+    """
+
+    slots: int
+    """b - 1 ring slots (0 for DP-SGD)."""
+    width: int
+    """Columns (coordinates) in all."""
+    dtype: np.dtype[Any]
+    """float32 or float64."""
+    plan: dict[str, Any] | None
+    """The placement plan record a checkpoint keeps (None when nothing was planned)."""
+
+    @property
+    def nbytes(self) -> int:
+        """History bytes held."""
+        ...
+
+    def placement(self) -> list[dict[str, Any]]:
+        """Which columns lie where: `{"tier", "start", "stop"}` records (the manifest's
+        `noise.placement`)."""
+        ...
+
+    def write(self, slot: int, w: np.ndarray) -> None:
+        """Store w (width,) as ring slot `slot`."""
+        ...
+
+    def read(self, slot: int) -> np.ndarray:
+        """A host copy of ring slot `slot`, (width,)."""
+        ...
+
+    def gather(self) -> np.ndarray:
+        """A host copy of the whole ring, (slots, width)."""
+        ...
+
+    def scatter(self, ring: np.ndarray) -> None:
+        """Load a whole ring, (slots, width)."""
+        ...
+
+    def gemv(self, mix: np.ndarray) -> np.ndarray:
+        """h = sum_i mix[i] ring[i], (width,) on the host; mix is (slots,), rotated to
+        the ring's slots."""
+        ...
+
+    def close(self) -> None:
+        """Free what the history holds. Idempotent."""
+        ...
+
+
+class HostRing:
+    """The ring in one host numpy array, zeros at first; the GEMV runs in the caller's
+    thread. Bit-identical to any `TieredHistory` holding the same values.
+
+    Args:
+        slots: b - 1 ring slots.
+        width: columns in all.
+        dtype: float32 or float64.
+    """
+
+    plan: dict[str, Any] | None = None
+
+    def __init__(self, slots: int, width: int, dtype: np.dtype[Any] | str) -> None:
+        dt = np.dtype(dtype)
+        if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise ValueError(f"HostRing dtype={dt} must be float32 or float64")
+        if slots < 0 or width < 0:
+            raise ValueError(f"HostRing shape ({slots}, {width}) must not be negative")
+        self.slots, self.width, self.dtype = slots, width, dt
+        self._ring: np.ndarray | None = np.zeros((slots, width), dtype=dt)
+
+    def __repr__(self) -> str:
+        return f"HostRing(slots={self.slots}, width={self.width}, dtype={self.dtype})"
+
+    @property
+    def nbytes(self) -> int:
+        return self.slots * self.width * self.dtype.itemsize
+
+    def placement(self) -> list[dict[str, Any]]:
+        return [{"tier": "host", "start": 0, "stop": self.width}] if self.width else []
+
+    def _array(self) -> np.ndarray:
+        if self._ring is None:
+            raise ValueError(f"{self!r} is closed: build a new ring to hold noise again")
+        return self._ring
+
+    def _slot(self, slot: int) -> int:
+        if not 0 <= slot < self.slots:
+            raise IndexError(f"ring slot {slot} is outside [0, {self.slots})")
+        return slot
+
+    def write(self, slot: int, w: np.ndarray) -> None:
+        if w.shape != (self.width,):
+            raise ValueError(f"ring slot values {w.shape}, the ring is ({self.width},) wide")
+        self._array()[self._slot(slot)] = w
+
+    def read(self, slot: int) -> np.ndarray:
+        out: np.ndarray = self._array()[self._slot(slot)].copy()
+        return out
+
+    def gather(self) -> np.ndarray:
+        return self._array().copy()
+
+    def scatter(self, ring: np.ndarray) -> None:
+        if ring.shape != (self.slots, self.width):
+            raise ValueError(f"ring {ring.shape}, history ({self.slots}, {self.width})")
+        self._array()[...] = ring
+
+    def gemv(self, mix: np.ndarray) -> np.ndarray:
+        # mix_history casts mix to the ring's dtype first, as every tier does.
+        return mix_history(mix, self._array())
+
+    def close(self) -> None:
+        self._ring = None
