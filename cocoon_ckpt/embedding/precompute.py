@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from cocoon_ckpt.dp.gemv import mix_history
 from cocoon_ckpt.dp.mechanism import BandMF
-from cocoon_ckpt.dp.noise import BLOCK, KeyedNoise
+from cocoon_ckpt.dp.noise import BLOCK, KeyedNoise, bandmf_step
+from cocoon_ckpt.dp.ring import HostRing
 from cocoon_ckpt.embedding.csc import CoalescedCSC
 from cocoon_ckpt.embedding.schedule import AccessSchedule
 
@@ -99,9 +99,9 @@ def precompute_csc(
         itemsize = torch.empty(0, dtype=noise.dtype).element_size()
         tr = tile_rows or default_tile_rows(dim, mechanism.bands, itemsize)
         tiles = _tiles(hot, rows, tr)
-    np_dtype = np.float64 if noise.dtype == torch.float64 else np.float32
+    np_dtype = noise.np_dtype
     slots_ = mechanism.bands - 1
-    c0 = float(mechanism.coefficients[0])
+    # every tile runs the same n steps: their mixing vectors are built once
     mixes = [mechanism.mixing_vector(t).astype(np_dtype) for t in range(n)] if slots_ else []
     cols: list[np.ndarray] = []
     rows_out: list[np.ndarray] = []
@@ -127,18 +127,13 @@ def precompute_csc(
         by_step = np.argsort(ev_step, kind="stable")
         ev_step, local = ev_step[by_step], local[by_step]
         bounds = np.searchsorted(ev_step, np.arange(n + 1))
-        hist = np.zeros((slots_, k * dim), dtype=np_dtype)
+        hist = HostRing(slots_, k * dim, np_dtype)
         acc = np.zeros((k, dim), dtype=np.float64)
         for t in range(n):
             z = noise.fresh(t, lo, hi)
             if coords is not None:
                 z = z[torch.from_numpy(coords)]
-            if slots_:
-                h = torch.from_numpy(mix_history(mixes[t], hist))
-                w = (z - h) / c0
-                hist[t % slots_] = w.numpy()
-            else:
-                w = z / c0
+            w = bandmf_step(mechanism, t, z, hist, mix=mixes[t] if slots_ else None)
             a, b = bounds[t], bounds[t + 1]
             if b > a:
                 sel = local[a:b]

@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cocoon_ckpt.dp.gemv import mix_history
 from cocoon_ckpt.dp.mechanism import BandMF
-from cocoon_ckpt.dp.noise import BLOCK, KeyedNoise
+from cocoon_ckpt.dp.noise import BLOCK, KeyedNoise, bandmf_step
+from cocoon_ckpt.dp.ring import HostRing
 
 __all__ = ["regenerate"]
 
@@ -31,11 +31,11 @@ def regenerate(
     (their fresh noise blocks are drawn whole, as I1 defines them)."""
     fresh = KeyedNoise(key, dim, std, dtype)
     tdtype = fresh.dtype
-    slots = mechanism.bands - 1
-    c0 = float(mechanism.coefficients[0])
     blocks = np.unique(coords // BLOCK)
     out = torch.empty(steps, len(coords), dtype=tdtype)
-    ring = torch.zeros(max(slots, 0), len(coords), dtype=tdtype)
+    # the engine's step and kernel: one order of rounding, so any subset of coordinates
+    # reproduces the stored values bit for bit
+    ring = HostRing(mechanism.bands - 1, len(coords), fresh.np_dtype)
     for t in range(steps):
         z = torch.empty(len(coords), dtype=tdtype)
         for k in blocks:
@@ -43,12 +43,5 @@ def regenerate(
             sel = np.nonzero(coords // BLOCK == k)[0]
             zb = fresh.fresh(t, lo, hi)
             z[sel] = zb[torch.from_numpy(coords[sel] - lo)]
-        if slots:
-            # the engine's kernel: one order of rounding, so any subset of coordinates
-            # reproduces the stored values bit for bit
-            w = (z - torch.from_numpy(mix_history(mechanism.mixing_vector(t), ring.numpy()))) / c0
-            ring[t % slots].copy_(w)
-        else:
-            w = z / c0
-        out[t] = w
+        out[t] = bandmf_step(mechanism, t, z, ring)
     return out.numpy()
