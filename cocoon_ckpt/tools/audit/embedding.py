@@ -4,17 +4,15 @@ structure and cold rows' entries recomputed from the schedule and the key."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from cocoon_ckpt.dp.mechanism import BandMF
+from cocoon_ckpt.tools.audit.report import AuditReport
 from cocoon_ckpt.tools.regenerate import regenerate
 from cocoon_ckpt.train.parts import JobParts
 from state import Manifest, Store, Version
-
-if TYPE_CHECKING:
-    from cocoon_ckpt.tools.audit import AuditReport
 
 __all__ = ["check_embedding"]
 

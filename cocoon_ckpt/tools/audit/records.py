@@ -1,0 +1,142 @@
+"""The audit of each version's records against its config: the job fingerprint, the
+`complete` flag (derived from the step count), the accountant record and its epsilon
+(recomputed from the config, never taken from the record), and the trainer's and
+noise's step against the manifest's."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from cocoon_ckpt.dp.accountant import epsilon as compute_epsilon
+from cocoon_ckpt.tools.audit.report import AuditReport
+from cocoon_ckpt.tools.bounds import VersionBounds
+from cocoon_ckpt.train import config as cfgmod
+from state import Manifest
+
+__all__ = ["check_records", "config_epsilon"]
+
+
+def config_epsilon(dp: dict[str, Any], steps: int, method: str) -> float:
+    """Epsilon after `steps` steps, from the config's dp record alone.
+
+    Args:
+        dp: the `dp` mapping of a config record.
+        steps: steps taken (>= 1).
+        method: the accountant's method (`pld`, ...).
+    """
+    return compute_epsilon(
+        float(dp["noise_multiplier"]),
+        int(dp["dataset_size"]),
+        int(dp["batch_size"]),
+        steps,
+        int(dp["bands"]),
+        float(dp["delta"]),
+        method,
+    )
+
+
+def check_records(
+    manifests: dict[int, Manifest], bounds: dict[int, VersionBounds], report: AuditReport
+) -> None:
+    """Fingerprint, accountant, `complete` and internal consistency of each version's
+    records.
+
+    Args:
+        manifests: the parsed manifests, by version number.
+        bounds: each version's bounds; a version whose config is unreadable is skipped
+            (the bounds check reported it).
+        report: where findings and the `accountant` and `fingerprint` counts go.
+
+    Raises:
+        KeyError, TypeError, ValueError: a record of the wrong type or shape (the
+            caller turns these into a finding).
+    """
+    fingerprints: set[str] = set()
+    recomputed_eps = 0
+    for v, m in sorted(manifests.items()):
+        rec = m.records
+        if not bounds[v].steps:
+            continue  # the config cannot be read: reported by the bounds check
+        try:
+            cfg = rec["config"]
+            dp = cfg["dp"]
+            fp = cfgmod.fingerprint(cfg, rec["model_shapes"])
+        except (KeyError, TypeError) as exc:
+            report.add("fingerprint", f"config record is missing or malformed ({exc})", v)
+            continue
+        finished = m.step == int(dp["steps"])
+        if rec.get("complete") is not finished:
+            report.add(
+                "complete",
+                f"record complete={rec.get('complete')!r}, but the version is at step "
+                f"{m.step} of {dp['steps']}: finished is {finished}",
+                v,
+            )
+        fingerprints.add(fp)
+        if rec.get("fingerprint") != fp or m.job_fingerprint != fp:
+            report.add(
+                "fingerprint",
+                f"recorded fingerprint {rec.get('fingerprint')} / manifest "
+                f"{m.job_fingerprint} do not match the config's {fp}",
+                v,
+            )
+        acc = rec.get("accountant")
+        if not isinstance(acc, dict):
+            report.add("accountant", "accountant record is missing or not a mapping", v)
+            continue
+        recomputed_eps += _check_accountant(m, dp, acc, bounds[v].steps, report)
+        for name in ("trainer", "noise"):
+            part = rec.get(name)
+            got = part.get("step" if name == "trainer" else "t") if isinstance(part, dict) else None
+            if got != m.step:
+                report.add("chain", f"record {name} is at step {got}, the manifest at {m.step}", v)
+    if len(fingerprints) > 1:
+        report.add(
+            "fingerprint",
+            f"versions carry {len(fingerprints)} different job fingerprints "
+            f"({sorted(fingerprints)}): a manifest from another job is in this store",
+        )
+    report.checks["accountant"] = {"epsilons_recomputed": recomputed_eps}
+    report.checks["fingerprint"] = {"distinct": len(fingerprints)}
+
+
+def _check_accountant(
+    m: Manifest, dp: dict[str, Any], acc: dict[str, Any], steps: int, report: AuditReport
+) -> int:
+    """The accountant record's parameters against the config and step, and its epsilon
+    against one recomputed from the config when the step is within the config's `steps`.
+
+    Returns:
+        1 when epsilon was recomputed, else 0.
+    """
+    v = m.version
+    want = {
+        "noise_multiplier": float(dp["noise_multiplier"]),
+        "dataset_size": int(dp["dataset_size"]),
+        "batch_size": int(dp["batch_size"]),
+        "bands": int(dp["bands"]),
+        "delta": float(dp["delta"]),
+        "steps": m.step,
+    }
+    for k, val in want.items():
+        if acc.get(k) != val:
+            report.add(
+                "accountant",
+                f"accountant record {k}={acc.get(k)!r}, but the config and step say {val!r}",
+                v,
+            )
+    if not 0 < m.step <= steps:
+        return 0
+    eps = config_epsilon(dp, m.step, str(acc.get("method", "pld")))
+    stored = acc.get("epsilon")
+    if not isinstance(stored, (int, float)) or not math.isclose(
+        stored, eps, rel_tol=1e-9, abs_tol=1e-12
+    ):
+        report.add(
+            "accountant",
+            f"stored epsilon {stored!r} differs from {eps!r} recomputed from the "
+            f"config for {m.step} steps",
+            v,
+        )
+    return 1
