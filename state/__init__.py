@@ -23,6 +23,7 @@ from .fsspec_backend import FsspecBackend
 from .lease import Lease
 from .local_backend import LocalBackend
 from .manifest import FORMAT_VERSION, ArrayMeta, Manifest, restamp
+from .reachability import Space
 from .retention import KeepEvery, KeepLast, KeepVersions, OnDamage, RetentionPolicy
 from .retry import RetryPolicy, is_transient
 from .store import Store
@@ -51,6 +52,7 @@ __all__ = [
     "RetentionPolicy",
     "RetryPolicy",
     "ShardWriter",
+    "Space",
     "Store",
     "StoreError",
     "StoreNotFoundError",

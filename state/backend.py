@@ -152,6 +152,21 @@ class Backend(abc.ABC):
         prefix = self.root.rstrip("/") + "/"
         return sorted(str(p)[len(prefix) :] for p in found if str(p).startswith(prefix))
 
+    def sizes(self, rel: str) -> dict[str, int]:
+        """Every file under `rel` with its size in bytes, by path relative to the root
+        (one recursive listing: a paged LIST on object stores)."""
+        base = self.path(rel)
+        try:
+            found = self.retry.call(lambda: self.fs.find(base, detail=True))
+        except FileNotFoundError:
+            return {}
+        prefix = self.root.rstrip("/") + "/"
+        return {
+            str(p)[len(prefix) :]: int(info.get("size") or 0)
+            for p, info in found.items()
+            if str(p).startswith(prefix)
+        }
+
     # reads that another process's writes must not miss -----------------------------
     def invalidate(self, rel: str | None = None) -> None:
         """Forget what the filesystem cached about `rel` and its parents (None: about

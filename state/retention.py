@@ -3,8 +3,11 @@
 A policy names the versions it keeps (`KeepLast`, `KeepEvery`, `KeepVersions`);
 retention keeps their union, and whatever the policies say it keeps the newest two
 valid versions and the newest one whose arrays verify. Manifests go first, so a version
-stops being visible before any of its arrays is removed; folders above the newest
-manifest may be a write in flight and are never touched.
+stops being visible before any of its arrays is removed. Then every array no kept
+manifest names is deleted, array by array (state.reachability): a version folder whose
+ring slots a newer version still references keeps those slots and loses its model and
+optimizer copies. Folders above the newest manifest may be a write in flight and are
+never touched.
 
 Every manifest is verified before anything is deleted. One that fails (damaged, or of a
 format this library does not read) stops retention (`OnDamage.STOP`): its arrays may be
@@ -26,13 +29,13 @@ from .manifest import Manifest
 from .paths import (
     LEASES,
     MANIFESTS,
-    ROOT_META,
     SECRET,
     VERSIONS,
     is_partial,
     manifest_path,
     parse_version_folder,
 )
+from .reachability import deletion_units, referenced_arrays
 from .version import Version
 
 if TYPE_CHECKING:
@@ -50,6 +53,9 @@ __all__ = [
 
 log = logging.getLogger("state.store")
 
+#: Fires before each deletion: a manifest not kept (`what="manifest"`), then a version
+#: folder holding no referenced array (`"folder"`) or an unreferenced array, or a group
+#: of them, inside a folder that holds referenced ones (`"array"`).
 BEFORE_DELETE = hooks.declare(
     "retention.before_delete", "before retention deletes one unreferenced path"
 )
@@ -124,8 +130,9 @@ def retain(
     newest_valid: int | None = None,
     on_damage: OnDamage = OnDamage.STOP,
 ) -> list[str]:
-    """Delete every version no policy keeps, then every array folder no kept manifest
-    references, then leftover temp files.
+    """Delete every version no policy keeps, then every array under versions/ no kept
+    manifest references (and any version folder left with none), then leftover temp
+    files.
 
     Args:
         store: the store (its writer should hold the lease).
@@ -158,28 +165,27 @@ def retain(
     deleted: list[str] = []
     for v in have:
         if v not in keep:
-            hooks.point(BEFORE_DELETE, version=v, path=manifest_path(v))
+            hooks.point(BEFORE_DELETE, version=v, path=manifest_path(v), what="manifest")
             backend.rm(manifest_path(v))
             deleted.append(manifest_path(v))
-    referenced = {
-        "/".join(meta.path.split("/")[:2])
-        for v in keep
-        if v in manifests
-        for meta in manifests[v].arrays.values()
-        if meta.path.startswith(f"{VERSIONS}/")
-    }
-    newest = have[-1]
-    for name in backend.listdir(VERSIONS):
-        folder = f"{VERSIONS}/{name}"
-        if name == ROOT_META or folder in referenced:
-            continue
-        parsed = parse_version_folder(name)
-        # Folders above the newest manifest may be a write in flight: never touch.
-        if parsed is not None and parsed.version > newest:
-            continue
-        hooks.point(BEFORE_DELETE, version=None if parsed is None else parsed.version, path=folder)
-        backend.rm(folder, recursive=True)
-        deleted.append(folder)
+    # Only now, with every manifest not kept gone, are arrays deleted: an interrupted
+    # run leaves unreferenced arrays (the next run deletes them), never a listed
+    # version missing one.
+    referenced = referenced_arrays(manifests[v] for v in keep if v in manifests)
+    units = deletion_units(
+        backend.listdir(VERSIONS), backend.find(VERSIONS), referenced, newest=have[-1]
+    )
+    for unit in units:
+        folder = parse_version_folder(unit.split("/")[1])
+        what = "folder" if unit.count("/") == 1 else "array"
+        hooks.point(
+            BEFORE_DELETE,
+            version=None if folder is None else folder.version,
+            path=unit,
+            what=what,
+        )
+        backend.rm(unit, recursive=True)
+        deleted.append(unit)
     for rel in _partials(store):
         backend.rm(rel)
         deleted.append(rel)

@@ -35,6 +35,7 @@ from .paths import (
     secret_path,
     shared_path,
 )
+from .reachability import Space, space
 from .retention import KeepEvery, KeepLast, OnDamage, RetentionPolicy, retain
 from .retry import RetryPolicy
 from .root import describe_foreign, foreign_entries, initialise, load_root, read_root
@@ -328,6 +329,13 @@ class Store:
             newest_valid=newest_valid,
             on_damage=OnDamage.DISCARD if discard_damaged else OnDamage.STOP,
         )
+
+    def space(self) -> Space:
+        """Bytes on disk by what the manifests reach: `referenced` (arrays some manifest
+        names), `unreachable` (what `retain` deletes once no manifest needs it),
+        `in_flight`, `scaffolding` and the totals (see
+        `state.reachability.Space`). Reads every manifest and lists the store once."""
+        return space(self)
 
 
 def _describe(have: list[int]) -> str:

@@ -10,9 +10,6 @@ Subclass it once per backend and override the `locations` fixture::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -28,46 +25,17 @@ from ..errors import (
     StoreNotFoundError,
 )
 from ..manifest import FORMAT_VERSION
-from ..paths import manifest_path, version_folder, version_of_path
-from ..retention import KeepVersions
+from ..paths import manifest_path, version_of_path
 from ..store import Store
+from .commits import InjectedCrash, commit, crash_after, same
 from .locations import LocationFactory, StoreLocation, backend_of, flip_bit, open_store
+from .retention_tests import RetentionTests
 from .stateful import StoreStateMachine
 
 __all__ = ["StoreTests"]
 
 
-class InjectedCrash(Exception):
-    """Raised at an armed crash point by these tests."""
-
-
-def _commit(store: Store, step: int, arrays: dict[str, np.ndarray], **records: object) -> int:
-    have = store.versions()
-    txn = store.begin(step, parent=have[-1] if have else None)
-    for name, arr in arrays.items():
-        txn.put_array(name, arr)
-    for name, rec in records.items():
-        txn.put_record(name, rec)
-    return txn.commit().version
-
-
-def _crash_after(hits: int) -> hooks.Handler:
-    """A crash-point handler that lets `hits` calls pass, then raises InjectedCrash."""
-    remaining = [hits]
-
-    def handler(name: str, ctx: Mapping[str, Any]) -> None:
-        if remaining[0] == 0:
-            raise InjectedCrash(name)
-        remaining[0] -= 1
-
-    return handler
-
-
-def _same(got: np.ndarray, want: np.ndarray) -> bool:
-    return got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
-
-
-class StoreTests:
+class StoreTests(RetentionTests):
     """The conformance suite. A subclass supplies `locations`; it may lower
     `state_machine_examples` / `state_machine_steps` for a slow backend."""
 
@@ -133,16 +101,16 @@ class StoreTests:
             "empty": np.zeros((0, 3), dtype=np.uint8),
             "mask": np.array([True, False]),
         }
-        v = _commit(writer, 7, arrays, sampler={"seed": 3, "q": 0.25}, note="x")
+        v = commit(writer, 7, arrays, sampler={"seed": 3, "q": 0.25}, note="x")
         got = open_store(location, create=False).latest()
         assert got is not None and (got.version, got.step) == (v, 7)
         assert got.records == {"sampler": {"seed": 3, "q": 0.25}, "note": "x"}
         assert got.array_names() == sorted(arrays)
         for name, want in arrays.items():
-            assert _same(got.array(name), want), name
+            assert same(got.array(name), want), name
 
-    def test_nothing_is_visible_before_commit(self, writer: Store) -> None:
-        _commit(writer, 1, {"a": np.zeros(3)})
+    def test_nothing_is_visible_beforecommit(self, writer: Store) -> None:
+        commit(writer, 1, {"a": np.zeros(3)})
         txn = writer.begin(2)
         txn.put_array("a", np.ones(3))
         txn.put_record("r", 1)
@@ -151,7 +119,7 @@ class StoreTests:
         assert latest is not None and latest.step == 1
 
     def test_a_commit_interrupted_at_each_point_is_invisible(self, writer: Store) -> None:
-        _commit(writer, 1, {"a": np.zeros(4)})
+        commit(writer, 1, {"a": np.zeros(4)})
         points = [
             "checkpoint.before_array",
             "checkpoint.after_array",
@@ -161,20 +129,20 @@ class StoreTests:
         if writer.backend.local:  # only local disk writes the manifest through a temp
             points.append("checkpoint.after_manifest_temp")
         for point in points:
-            hooks.arm(point, _crash_after(0))
+            hooks.arm(point, crash_after(0))
             try:
                 with pytest.raises(InjectedCrash):
-                    _commit(writer, 2, {"a": np.ones(4)})
+                    commit(writer, 2, {"a": np.ones(4)})
             finally:
                 hooks.disarm(point)
             assert writer.versions() == [1], point
         # the next try at the same number clears what the crashed ones left
-        assert _commit(writer, 2, {"a": np.ones(4)}) == 2
+        assert commit(writer, 2, {"a": np.ones(4)}) == 2
         got = writer.read(2)
-        assert _same(got.array("a"), np.ones(4))
+        assert same(got.array("a"), np.ones(4))
 
     def test_references_read_the_older_array(self, writer: Store) -> None:
-        _commit(writer, 1, {"ring/w-0": np.full(5, 1.0), "model": np.zeros(2)})
+        commit(writer, 1, {"ring/w-0": np.full(5, 1.0), "model": np.zeros(2)})
         old = writer.manifest(1).arrays["ring/w-0"]
         txn = writer.begin(2, parent=1)
         txn.reference("ring/w-0", old)
@@ -183,12 +151,12 @@ class StoreTests:
         assert txn.bytes_written == 40
         assert manifest.arrays["ring/w-0"].path == old.path
         assert version_of_path(old.path) == 1
-        assert _same(writer.read(2).array("ring/w-0"), np.full(5, 1.0))
+        assert same(writer.read(2).array("ring/w-0"), np.full(5, 1.0))
 
     # damage -------------------------------------------------------------------------
     def test_damage_is_refused_by_name_and_fallback_is_explicit(self, writer: Store) -> None:
-        _commit(writer, 1, {"a": np.arange(6.0)})
-        _commit(writer, 2, {"a": np.arange(6.0) + 1})
+        commit(writer, 1, {"a": np.arange(6.0)})
+        commit(writer, 2, {"a": np.arange(6.0) + 1})
         path = writer.manifest(2).arrays["a"].path
         chunk = next(p for p in writer.backend.find(path) if "/c/" in p)
         flip_bit(writer, chunk, 3)
@@ -199,7 +167,7 @@ class StoreTests:
         assert fallback is not None and fallback.version == 1
 
     def test_a_damaged_manifest_names_itself(self, writer: Store) -> None:
-        _commit(writer, 1, {"a": np.zeros(2)}, sampler={"seed": 1})
+        commit(writer, 1, {"a": np.zeros(2)}, sampler={"seed": 1})
         data = writer.backend.read_bytes(manifest_path(1))
         at = data.index(b'"seed": 1') + len(b'"seed": ')
         flip_bit(writer, manifest_path(1), at * 8)  # '1' -> '0'
@@ -207,73 +175,9 @@ class StoreTests:
             writer.read(1)
         assert (e.value.version, e.value.path, e.value.record) == (1, manifest_path(1), "sampler")
 
-    # retention ----------------------------------------------------------------------
-    def test_retention_keeps_the_newest_and_what_they_reference(self, writer: Store) -> None:
-        shared = writer.put_shared("csc/values", np.arange(4, dtype=np.int32))
-        for step in range(1, 5):
-            txn = writer.begin(step)
-            txn.put_array("w", np.full(3, float(step)))
-            txn.reference("csc", shared)
-            if step > 1:
-                txn.reference("first", writer.manifest(1).arrays["w"])
-            txn.commit()
-        deleted = writer.retain(keep_last=2)
-        assert writer.versions() == [3, 4]
-        assert manifest_path(2) in deleted and version_folder(2, 1) in deleted
-        assert version_folder(1, 1) not in deleted  # version 4 still references it
-        for v in (3, 4):
-            got = writer.read(v)
-            assert _same(got.array("first"), np.full(3, 1.0))
-            assert _same(got.array("csc"), np.arange(4, dtype=np.int32))
-            assert _same(got.array("w"), np.full(3, float(v)))
-
-    def test_retention_policies_add_to_what_is_kept(self, writer: Store) -> None:
-        for step in range(1, 5):
-            _commit(writer, step, {"w": np.full(2, float(step))})
-        writer.retain(keep_last=2, policies=[KeepVersions(frozenset({1}))])
-        assert writer.versions() == [1, 3, 4]
-        with pytest.raises(ValueError, match="keep_last=1 must be >= 2"):
-            writer.retain(keep_last=1)
-        assert writer.versions() == [1, 3, 4]
-
-    def test_retention_stops_on_a_damaged_manifest(self, writer: Store) -> None:
-        for step in range(1, 4):
-            _commit(writer, step, {"w": np.full(2, float(step))})
-        flip_bit(writer, manifest_path(1), 8 * 40)
-        before = writer.backend.find("")
-        with pytest.raises(CorruptVersionError, match="retention stopped, nothing was deleted"):
-            writer.retain(keep_last=2)
-        assert writer.backend.find("") == before
-        deleted = writer.retain(keep_last=2, discard_damaged=True)
-        assert manifest_path(1) in deleted and writer.versions() == [2, 3]
-
-    def test_retention_interrupted_anywhere_leaves_every_listed_version_whole(
-        self, writer: Store
-    ) -> None:
-        for step in range(1, 7):
-            txn = writer.begin(step)
-            txn.put_array("w", np.full(2, float(step)))
-            if step > 1:
-                txn.reference("first", writer.manifest(1).arrays["w"])
-            txn.commit()
-        for hits in (0, 2, 4):
-            hooks.arm("retention.before_delete", _crash_after(hits))
-            try:
-                with pytest.raises(InjectedCrash):
-                    writer.retain(keep_last=2)
-            finally:
-                hooks.disarm("retention.before_delete")
-            listed = writer.versions()
-            assert listed[-2:] == [5, 6]
-            for v in listed:
-                got = writer.read(v)
-                assert _same(got.array("w"), np.full(2, float(v)))
-        writer.retain(keep_last=2)
-        assert writer.versions() == [5, 6]
-
     # leases -------------------------------------------------------------------------
     def test_lease_refuse_takeover_and_fence(self, writer: Store, location: StoreLocation) -> None:
-        _commit(writer, 1, {"a": np.zeros(2)})
+        commit(writer, 1, {"a": np.zeros(2)})
         stale = writer.begin(2)
         stale.put_array("a", np.ones(2))
         other = open_store(location, create=False)
@@ -285,7 +189,7 @@ class StoreTests:
         with pytest.raises(FencedError):
             writer.begin(2)
         assert other.versions() == [1]
-        assert _commit(other, 2, {"a": np.full(2, 2.0)}) == 2
+        assert commit(other, 2, {"a": np.full(2, 2.0)}) == 2
         holder = other.lease_holder()
         assert holder is not None and holder["generation"] == 2
 
@@ -307,7 +211,7 @@ class StoreTests:
             txn.reference("csc", meta)
             txn.commit()
         for v in (1, 2):
-            assert _same(writer.read(v).array("csc"), np.arange(10, dtype=np.int64))
+            assert same(writer.read(v).array("csc"), np.arange(10, dtype=np.int64))
 
     def test_secrets_are_written_once(self, writer: Store) -> None:
         assert writer.get_secret("noise.key") is None
