@@ -1,0 +1,51 @@
+"""`cocoon-ckpt export`: the finished job's model and its privacy report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import TYPE_CHECKING
+
+from cocoon_ckpt._cli.args import add_json, add_storage_options, storage_options
+
+if TYPE_CHECKING:
+    from cocoon_ckpt._cli.args import Subparsers
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: Subparsers) -> None:
+    """Add `export` to the top-level subcommands."""
+    p = sub.add_parser(
+        "export",
+        help="write the final model (no noise state) and a privacy report",
+        description="Write the finished job's model state_dict to OUT (torch.save) and "
+        "its privacy report to OUT.privacy.json, both or neither. Finished means the "
+        "verified step count equals the config's; epsilon is recomputed from the config. "
+        "No noise key or history is exported.",
+    )
+    p.set_defaults(handler=run)
+    p.add_argument("url", help="store URL")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="new output file for the state_dict, outside the store, in an existing folder",
+    )
+    add_storage_options(p)
+    add_json(p, "privacy report")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Export the model and report of store `args.url` to `args.out`. Exit 0; a wrong
+    --out raises ExportPathError (exit 2, see exits)."""
+    from cocoon_ckpt.tools.export import export_model
+
+    report = export_model(args.url, args.out, storage_options=storage_options(args))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(
+            f"exported {args.out} (epsilon={report['epsilon']:.4f}, delta={report['delta']:g}, "
+            f"threat model {report['threat_model']}); report in {args.out}.privacy.json"
+        )
+    return 0

@@ -1,0 +1,188 @@
+"""The job a `train` command line describes: its flags (or --config FILE) as a JobConfig.
+
+Every default the command does not choose itself is read from the config dataclasses'
+fields, so the CLI cannot drift from the API. It chooses only the example job's sizes,
+which DPConfig leaves to the caller, and b = 8 bands (DPConfig's default, 1, is DP-SGD).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any
+
+from cocoon_ckpt.errors import ConfigError
+from cocoon_ckpt.tiers.config import TierConfig
+from cocoon_ckpt.train.config import DPConfig, JobConfig, section_from_record
+
+__all__ = [
+    "EMBEDDING_FLAGS",
+    "EXAMPLE_DEFAULTS",
+    "JOB_FLAGS",
+    "field_default",
+    "flag_default",
+    "train_config",
+]
+
+#: The job and privacy flags of `train` (argparse dest) and the JobConfig field each sets.
+JOB_FLAGS: dict[str, str] = {
+    "steps": "dp.steps",
+    "batch_size": "dp.batch_size",
+    "dataset_size": "dp.dataset_size",
+    "noise_multiplier": "dp.noise_multiplier",
+    "clip": "dp.max_grad_norm",
+    "bands": "dp.bands",
+    "delta": "dp.delta",
+    "mechanism": "dp.mechanism",
+    "seed": "dp.seed",
+    "lr": "lr",
+    "optimizer": "optimizer",
+}
+
+#: The flags of the embedding section (argparse dest) and the EmbeddingConfig field each sets.
+EMBEDDING_FLAGS: dict[str, str] = {
+    "embedding": "mode",
+    "threat_model": "threat_model",
+    "hot_threshold": "hot_threshold",
+}
+
+#: What the CLI chooses itself: the built-in example job's sizes (DPConfig has no default
+#: for them) and BandMF with 8 bands, not DPConfig's DP-SGD (bands=1).
+EXAMPLE_DEFAULTS: dict[str, Any] = {
+    "steps": 50,
+    "batch_size": 32,
+    "dataset_size": 2048,
+    "noise_multiplier": 1.0,
+    "bands": 8,
+}
+
+
+def field_default(cls: type, name: str) -> Any:
+    """The default of dataclass `cls`'s field `name`.
+
+    Raises:
+        KeyError: `cls` has no such field, or it has no plain default.
+    """
+    for f in dataclasses.fields(cls):
+        if f.name == name and f.default is not dataclasses.MISSING:
+            return f.default
+    raise KeyError(f"{cls.__name__}.{name} has no default; give the CLI one in EXAMPLE_DEFAULTS")
+
+
+def flag_default(flag: str) -> Any:
+    """What a job flag (argparse dest, a key of JOB_FLAGS) is when not given, as the
+    command line spells it (an enum by its value)."""
+    if flag in EXAMPLE_DEFAULTS:
+        return EXAMPLE_DEFAULTS[flag]
+    section, _, name = JOB_FLAGS[flag].rpartition(".")
+    value = field_default(DPConfig if section == "dp" else JobConfig, name)
+    return getattr(value, "value", value)
+
+
+def _read_config_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: cannot read it ({exc.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--config {path}: not valid JSON ({exc})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("dp"), dict):
+        raise ConfigError(
+            f"--config {path}: must be a JSON object with 'job' and a 'dp' object, as the "
+            "'config' that `cocoon-ckpt inspect URL --version V --json` prints"
+        )
+    return doc
+
+
+def _tiers(args: argparse.Namespace) -> TierConfig | None:
+    if args.tiers is None:
+        return None
+    try:
+        rec = json.loads(args.tiers)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--tiers is not valid JSON ({exc}); pass a JSON object") from None
+    if not isinstance(rec, dict):
+        raise ConfigError("--tiers must be a JSON object, e.g. '{\"host_bytes\": 1073741824}'")
+    try:
+        return section_from_record(TierConfig, rec, "--tiers")
+    except (TypeError, ValueError) as exc:
+        msg = str(exc)
+        raise ConfigError(msg if msg.startswith("--tiers") else f"--tiers: {msg}") from None
+
+
+def _embedding(args: argparse.Namespace) -> Any:
+    """The EmbeddingConfig the embedding flags give (its own defaults for the others), or
+    None when none is given."""
+    given = {
+        f: getattr(args, k) for k, f in EMBEDDING_FLAGS.items() if getattr(args, k) is not None
+    }
+    if not given:
+        return None
+    from cocoon_ckpt.embedding.config import EmbeddingConfig
+
+    return EmbeddingConfig(**given)
+
+
+def _harmless(args: argparse.Namespace) -> dict[str, Any]:
+    """The JobConfig fields a resume may change that the flags set (absent: not given)."""
+    out: dict[str, Any] = {}
+    if args.checkpoint_every is not None:
+        out["checkpoint_every"] = args.checkpoint_every
+    if args.sync_checkpoints:
+        out["async_checkpoint"] = False
+    if args.overlap_noise:
+        out["overlap_noise"] = True
+    if args.lease_expiry is not None:
+        out["lease_expiry_s"] = args.lease_expiry
+    return out
+
+
+def train_config(args: argparse.Namespace) -> tuple[JobConfig, str]:
+    """The job and the store URL a parsed `train` command line names.
+
+    Raises:
+        ConfigError: --store is blank, --config is combined with job flags, or the
+            config file, --tiers or a flag's value is refused.
+    """
+    if args.store is not None and not args.store.strip():
+        raise ConfigError(
+            "Expected --store='' to name a store: a local path, memory://NAME or s3://BUCKET/PATH"
+        )
+    if args.config is not None:
+        given = [k for k in (*JOB_FLAGS, *EMBEDDING_FLAGS) if getattr(args, k) is not None]
+        if given or args.example or args.job:
+            flags = ", ".join("--" + k.replace("_", "-") for k in given) or "--example/--job"
+            raise ConfigError(f"--config sets the whole job; drop {flags} or drop --config")
+        rec = _read_config_file(args.config) | _harmless(args)
+        tiers = _tiers(args)
+        if tiers is not None:
+            rec["tiers"] = tiers.to_record()
+        try:
+            config = JobConfig.from_record(rec)
+        except (TypeError, KeyError, ValueError) as exc:
+            raise ConfigError(f"--config {args.config}: {exc}") from None
+        name = config.job.partition(":")[2] if config.job.startswith("example:") else "job"
+        return config, args.store or f"runs/{name}.zarr"
+    # flags not given are left out, so the dataclasses' own defaults apply
+    values = EXAMPLE_DEFAULTS | {
+        k: getattr(args, k) for k in JOB_FLAGS if getattr(args, k) is not None
+    }
+    dp = {
+        JOB_FLAGS[k].removeprefix("dp."): v
+        for k, v in values.items()
+        if JOB_FLAGS[k].startswith("dp.")
+    }
+    job = {JOB_FLAGS[k]: v for k, v in values.items() if not JOB_FLAGS[k].startswith("dp.")}
+    example = args.example or ("mlp" if args.job is None else None)
+    config = JobConfig(
+        job=f"example:{example}" if example else args.job,
+        dp=DPConfig(**dp),
+        log_level=args.log_level,
+        tiers=_tiers(args),
+        embedding=_embedding(args),
+        **job,
+        **_harmless(args),
+    )
+    return config, args.store or f"runs/{example or 'job'}.zarr"
