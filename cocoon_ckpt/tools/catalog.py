@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from cocoon_ckpt.layout import KEY_SECRET, THREAT_MODEL_DEFAULT, THREAT_MODELS, array_kind
+from cocoon_ckpt.records import EmbeddingRecord
 from cocoon_ckpt.tools.guarantee import describe
 from state import CorruptVersionError, Manifest, Store
 from state.paths import version_prefix
@@ -72,7 +73,7 @@ def _planned_steps(rec: dict[str, Any]) -> int | None:
     return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
-def _embedding_summary(emb: dict[str, Any] | None) -> dict[str, Any] | None:
+def _embedding_summary(emb: EmbeddingRecord | None) -> dict[str, Any] | None:
     """Per version: how many tables take each noise path, hot rows, CSC size."""
     if emb is None:
         return None
@@ -84,9 +85,10 @@ def _embedding_summary(emb: dict[str, Any] | None) -> dict[str, Any] | None:
         modes[mode] = modes.get(mode, 0) + 1
         if mode == "coalesced":
             hot += int(t["plan"]["hot"])
-        if t.get("csc"):
-            entries += int(t["csc"]["entries"])
-            csc_bytes += int(t["csc"]["bytes"])
+        csc = t.get("csc")
+        if csc:
+            entries += int(csc["entries"])
+            csc_bytes += int(csc["bytes"])
         pre += float(t.get("precompute_seconds", 0.0))
     return {
         "threat_model": emb["threat_model"],

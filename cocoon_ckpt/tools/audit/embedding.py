@@ -4,11 +4,10 @@ structure and cold rows' entries recomputed from the schedule and the key."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from cocoon_ckpt.dp.mechanism import BandMF
+from cocoon_ckpt.records import EmbeddingRecord, TableRecord
 from cocoon_ckpt.tools.audit.report import AuditReport
 from cocoon_ckpt.tools.regenerate import regenerate
 from cocoon_ckpt.train.parts import JobParts
@@ -30,7 +29,23 @@ def check_embedding(
     job's parts (given by the caller, never resolved from the store), the stored noise
     order and CSC structure against the schedule rebuilt from the sampler and data, and
     the entries of random cold rows against a precompute from the key (tiling-
-    independent, so bit for bit)."""
+    independent, so bit for bit).
+
+    Args:
+        store: the audited store.
+        newest: the newest readable version's manifest (its embedding records are in
+            bounds).
+        key: the job's 32-byte noise key (each table's key is derived from it).
+        rows_per_table: how many random cold rows of each table to recompute.
+        seed: seed of the coordinate and row choices.
+        report: where findings, skipped checks and the `embedding` counts go.
+        parts: the job the caller named, built with the store's config; None skips the
+            schedule checks (listed in `report.skipped`).
+
+    Raises:
+        KeyError, TypeError, ValueError, IndexError, AttributeError: records of the
+            wrong type or shape (the caller turns these into a finding).
+    """
     from cocoon_ckpt.dp.sampler import CyclicPoissonSampler
     from cocoon_ckpt.embedding.csc import CoalescedCSC
     from cocoon_ckpt.embedding.precompute import precompute_csc, table_key, table_noise
@@ -38,7 +53,7 @@ def check_embedding(
     from cocoon_ckpt.layout import emb_name
     from cocoon_ckpt.train.config import JobConfig
 
-    emb = newest.records["embedding"]
+    emb: EmbeddingRecord = newest.records["embedding"]
     config = JobConfig.from_record(newest.records["config"])
     dp = config.dp
     mechanism = BandMF.from_state_dict(newest.records["mechanism"])
@@ -159,7 +174,7 @@ def check_embedding(
 
 def _check_table_ring(
     ver: Version,
-    t: dict[str, Any],
+    t: TableRecord,
     key: bytes,
     mechanism: BandMF,
     std: float,

@@ -8,6 +8,7 @@ import numpy as np
 
 from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.keys import key_id
+from cocoon_ckpt.records import NoiseRecord
 from cocoon_ckpt.tools.audit.report import AuditReport
 from cocoon_ckpt.tools.bounds import VersionBounds
 from cocoon_ckpt.tools.regenerate import regenerate
@@ -64,7 +65,7 @@ def check_noise(
                 "this version's noise came from another key (another job's manifest?)",
                 v,
             )
-    noise = rec["noise"]
+    noise: NoiseRecord = rec["noise"]
     dim = int(noise["dim"])
     dp = rec["config"]["dp"]
     mechanism = BandMF.from_state_dict(rec["mechanism"])
@@ -130,10 +131,13 @@ def _stored_samples(
     has `dim` coordinates, sampled at `coords`."""
     stored: dict[str, _Sample] = {}
     for v, m in sorted(manifests.items()):
-        if not bounds[v].noise_ok or m.records["noise"]["dim"] != dim:
+        if not bounds[v].noise_ok:
+            continue  # its noise records may not even exist: reported by the bounds check
+        noise: NoiseRecord = m.records["noise"]
+        if noise["dim"] != dim:
             continue
         ver = Version(store, m)
-        for shard in m.records["noise"]["shards"]:
+        for shard in noise["shards"]:
             for _slot, step, name in shard["slots"]:
                 meta = m.arrays.get(name)
                 if meta is None or meta.path in stored or name in bounds[v].unsafe:

@@ -21,6 +21,7 @@ class Finding:
     version: int | None = None
 
     def as_json(self) -> dict[str, Any]:
+        """The finding as a JSON object (`check`, `version`, `message`)."""
         return {"check": self.check, "version": self.version, "message": self.message}
 
 
@@ -43,9 +44,11 @@ class AuditReport:
         return not self.findings
 
     def add(self, check: str, message: str, version: int | None = None) -> None:
+        """Record a finding of `check` (about `version`, or the store as a whole)."""
         self.findings.append(Finding(check, message, version))
 
     def as_json(self) -> dict[str, Any]:
+        """The report as printed by `cocoon-ckpt audit --json`."""
         return {
             "store": self.store,
             "ok": self.ok,
@@ -57,6 +60,8 @@ class AuditReport:
         }
 
     def text(self) -> str:
+        """The report as printed by `cocoon-ckpt audit`: checks, info, skipped checks,
+        findings and plots, one per line."""
         lines = [f"audit of {self.store}: " + ("all checks hold" if self.ok else "FINDINGS")]
         for name, c in self.checks.items():
             detail = ", ".join(f"{k}={v}" for k, v in c.items())
