@@ -28,8 +28,7 @@ from cocoon_ckpt.dp.accountant import dp_event, epsilon, noise_multiplier_for
 
 
 def _clear() -> None:
-    accountant._one_round.cache_clear()
-    accountant._epsilons.clear()
+    accountant.clear_caches()
 
 
 def _direct(sigma: float, n: int, batch: int, steps: int, bands: int, delta: float) -> float:

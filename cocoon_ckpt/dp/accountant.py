@@ -11,7 +11,6 @@ import math
 from typing import Any
 
 from cocoon_ckpt._state_dict import check_state
-from cocoon_ckpt.dp import accounting, pld_composition
 from cocoon_ckpt.dp.accounting import (
     AccountingMethod,
     clear_caches,
@@ -21,11 +20,6 @@ from cocoon_ckpt.dp.accounting import (
     validate_arguments,
 )
 from cocoon_ckpt.dp.calibration import noise_multiplier_for
-
-# bench/accounting.py clears the caches through these two names (`clear_caches` is the
-# one call that does it).
-_epsilons = accounting._epsilons
-_one_round = pld_composition.one_round
 
 __all__ = [
     "Accountant",
