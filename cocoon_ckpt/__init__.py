@@ -25,10 +25,11 @@ if TYPE_CHECKING:  # the names as static tools see them
         StateSchemaError,
         UnsupportedModelError,
     )
+    from cocoon_ckpt.tools.export import export_model
     from cocoon_ckpt.train.checkpoint import Checkpointer
     from cocoon_ckpt.train.config import DPConfig, JobConfig
     from cocoon_ckpt.train.parts import JobParts
-    from cocoon_ckpt.train.runner import RunResult, export_model, run_job
+    from cocoon_ckpt.train.runner import RunResult, run_job
     from cocoon_ckpt.train.trainer import DPTrainer, StepResult
 
 # Names load on first use (PEP 562): `cocoon-ckpt inspect` and the other store-only
@@ -59,7 +60,7 @@ _LAZY = {
     "StepResult": "train.trainer",
     "UnsupportedModelError": "errors",
     "epsilon": "dp.accountant",
-    "export_model": "train.runner",
+    "export_model": "tools.export",
     "noise_multiplier_for": "dp.accountant",
     "run_job": "train.runner",
 }

@@ -24,8 +24,8 @@ from cocoon_ckpt.errors import CocoonError
 from cocoon_ckpt.layout import THREAT_MODEL_DEFAULT
 from cocoon_ckpt.tools.guarantee import describe
 from cocoon_ckpt.train import config as cfgmod
-from cocoon_ckpt.train.checkpoint import model_state
 from cocoon_ckpt.train.config import JobConfig
+from cocoon_ckpt.train.stored import model_state, read_config
 from state import CorruptVersionError, Store, StoreError, Version
 from state.paths import manifest_path
 
@@ -225,12 +225,3 @@ def export_model(
     report["source"] = {"store": store_url, "version": latest.version, "fingerprint": fp}
     _write_pair(model, report, out)
     return report
-
-
-def read_config(store_url: str, storage_options: dict[str, Any] | None = None) -> JobConfig:
-    """The JobConfig recorded in a store's newest version."""
-    store = Store.open(store_url, storage_options=storage_options, create=False)
-    versions = store.versions()
-    if not versions:
-        raise StoreError(f"{store_url} has no committed version")
-    return JobConfig.from_record(store.manifest(versions[-1]).records["config"])

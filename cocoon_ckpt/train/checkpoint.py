@@ -1,7 +1,8 @@
-"""What a version holds, together: model, optimizer, sampler, accountant, ring, RNGs.
+"""Writing versions: a snapshot of the trainer's state, written and committed.
 
-A snapshot copies the trainer's state into host memory (only the ring slots new since
-the parent version); a background thread writes it and commits. At most one
+A snapshot copies the trainer's `state_dict()` into host memory through the codec
+(`cocoon_ckpt.train.codec`: only the ring slots new since the parent version are
+copied); a background thread writes it and commits. At most one
 checkpoint is in flight, so memory stays bounded by one snapshot.
 """
 
@@ -11,44 +12,26 @@ import concurrent.futures
 import contextlib
 import logging
 import os
-import random
 import secrets
 import threading
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-import torch
-
 from cocoon_ckpt.dp.accountant import Accountant
-from cocoon_ckpt.dp.noise import generator_backend
+from cocoon_ckpt.records import NoiseRecord, RankShard
+from cocoon_ckpt.train.codec import Snapshot, encode
 from cocoon_ckpt.train.distributed import DistContext
-from cocoon_ckpt.train.noise_arrays import (
-    load_ring,
-    restore_tables,
-    snapshot_ring,
-    snapshot_tables,
-    stored_table_plans,
-)
 from cocoon_ckpt.train.trainer import DPTrainer
 from state import (
-    ArrayMeta,
     CorruptVersionError,
     FormatVersionError,
     Manifest,
     Store,
     Transaction,
-    Version,
     hooks,
 )
 
-__all__ = [
-    "Checkpointer",
-    "Snapshot",
-    "model_state",
-    "restore_trainer_state",
-    "stored_table_plans",
-]
+__all__ = ["Checkpointer", "Snapshot", "take_snapshot"]
 
 log = logging.getLogger("cocoon_ckpt.train.checkpoint")
 
@@ -57,145 +40,19 @@ ASYNC_FLUSH = hooks.declare(
 )
 
 
-def _to_numpy(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().contiguous().numpy().copy()
-
-
-@dataclass(kw_only=True, slots=True)
-class Snapshot:
-    """A host-memory copy of one checkpoint, ready to be written."""
-
-    step: int
-    arrays: dict[str, np.ndarray] = field(default_factory=dict)
-    references: dict[str, ArrayMeta] = field(default_factory=dict)
-    shared: dict[str, np.ndarray] = field(default_factory=dict)
-    """Job-lifetime arrays new in this version (the precomputed CSC): written once
-    under shared/, referenced by every later version. Not copied: they never change."""
-    records: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays.values())
-
-
 def take_snapshot(
-    trainer: DPTrainer, parent: Manifest | None, extra_records: dict[str, Any]
+    trainer: DPTrainer, parent: Manifest | None, extra_records: Mapping[str, Any]
 ) -> Snapshot:
-    """Copy the trainer's state; ring slots the parent already holds are referenced.
+    """Copy the trainer's state (`state_dict()`, encoded by the codec) with the runner's
+    records; ring slots the parent already holds are referenced.
 
     In a multi-process job every rank snapshots its own ring shard; only the
     coordinator snapshots the rest (parameters are the same on every rank)."""
-    snap = Snapshot(step=trainer.step_index)
-    shard_rec = snapshot_ring(trainer, parent, snap)
-    if trainer.dist is not None and not trainer.dist.is_coordinator:
-        snap.records["_shard"] = shard_rec
-        return snap
-    for name, t in trainer.model.state_dict().items():
-        snap.arrays[f"model/{name}"] = _to_numpy(t)
-    opt = trainer.optimizer.state_dict()
-    opt_record: dict[str, Any] = {"param_groups": opt["param_groups"], "state": {}}
-    for idx, st in opt["state"].items():
-        rec: dict[str, Any] = {}
-        for key, val in st.items():
-            if isinstance(val, torch.Tensor):
-                snap.arrays[f"optim/{idx}/{key}"] = _to_numpy(val)
-                rec[key] = {"array": f"optim/{idx}/{key}"}
-            else:
-                rec[key] = {"value": val}
-        opt_record["state"][str(idx)] = rec
-    snap.arrays["rng/torch"] = _to_numpy(torch.get_rng_state())
-    np_state = np.random.get_state()
-    snap.arrays["rng/numpy"] = np.asarray(np_state[1])
-    py_state = random.getstate()
-    noise = trainer.noise
-    if trainer.embedding is not None:
-        snap.records["embedding"] = snapshot_tables(trainer, trainer.embedding, parent, snap)
-    snap.records.update(
-        {
-            "trainer": {"step": trainer.step_index},
-            "optimizer": opt_record,
-            "sampler": trainer.sampler.state_dict(),
-            "accountant": trainer.accountant.state_dict(with_epsilon=False),
-            "mechanism": trainer.mechanism.state_dict(),
-            "noise": {
-                "t": noise.t,
-                "dim": trainer.dim,
-                "dtype": str(noise.dtype).removeprefix("torch."),
-                "head": (noise.t % (trainer.mechanism.bands - 1))
-                if trainer.mechanism.bands > 1
-                else 0,
-                # storage: whole-width slots per rank shard, whatever the placement,
-                # so a resume on other tiers or another world size re-plans and
-                # loads the same arrays
-                "shards": [{k: shard_rec[k] for k in ("start", "stop", "slots")}],
-                "placement": shard_rec["placement"],
-                "plan": noise.history.plan,
-                "history_bytes": noise.history_bytes(),
-            },
-            "generator": generator_backend(),
-            "rng": {
-                "numpy": {
-                    "kind": np_state[0],
-                    "pos": int(np_state[2]),
-                    "has_gauss": int(np_state[3]),
-                    "cached_gaussian": float(np_state[4]),
-                },
-                "python": [py_state[0], list(py_state[1]), py_state[2]],
-            },
-            "param_names": trainer.param_names,
-            **extra_records,
-        }
-    )
+    shard_only = trainer.dist is not None and not trainer.dist.is_coordinator
+    snap = encode(trainer.state_dict(), parent, shard_only=shard_only)
+    if not shard_only:
+        snap.records.update(extra_records)
     return snap
-
-
-def model_state(version: Version) -> dict[str, torch.Tensor]:
-    """The model state_dict held by a version (verified arrays, copied)."""
-    return {
-        name[len("model/") :]: torch.from_numpy(version.array(name).copy())
-        for name in version.array_names()
-        if name.startswith("model/")
-    }
-
-
-def restore_trainer_state(trainer: DPTrainer, version: Version) -> None:
-    """Load a committed version into `trainer` (verified arrays, then every record)."""
-    rec = version.records
-    opt_state: dict[str, Any] = {"param_groups": rec["optimizer"]["param_groups"], "state": {}}
-    for idx, st in rec["optimizer"]["state"].items():
-        opt_state["state"][int(idx)] = {
-            key: torch.from_numpy(version.array(v["array"]).copy()) if "array" in v else v["value"]
-            for key, v in st.items()
-        }
-    nrec = rec["noise"]
-    # any stored sharding (another world size) onto this rank's [start, stop)
-    noise_state = {**load_ring(trainer.noise, nrec["shards"], version), "t": nrec["t"]}
-    trainer.load_state_dict(
-        {
-            "kind": "DPTrainer",
-            "schema_version": 1,
-            "step": rec["trainer"]["step"],
-            "model": model_state(version),
-            "optimizer": opt_state,
-            "noise": noise_state,
-            "sampler": rec["sampler"],
-            "accountant": rec["accountant"],
-            "rng": {"torch": torch.from_numpy(version.array("rng/torch").copy())},
-            "embedding": restore_tables(trainer, version),
-        }
-    )
-    npr = rec["rng"]["numpy"]
-    np.random.set_state(
-        (
-            npr["kind"],
-            version.array("rng/numpy").copy(),
-            npr["pos"],
-            npr["has_gauss"],
-            npr["cached_gaussian"],
-        )
-    )
-    py = rec["rng"]["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
 
 
 def _lower_priority() -> None:
@@ -233,7 +90,7 @@ class Checkpointer:
     def set_parent(self, manifest: Manifest | None) -> None:
         self.last = manifest
 
-    def save(self, trainer: DPTrainer, extra_records: dict[str, Any]) -> None:
+    def save(self, trainer: DPTrainer, extra_records: Mapping[str, Any]) -> None:
         """Snapshot now; write (in the background when async) and commit.
 
         In a multi-process job every rank calls this at the same step; the write is in
@@ -268,7 +125,8 @@ class Checkpointer:
         head = dist.broadcast_object(
             (txn.version, txn.lease.generation) if txn is not None else None
         )
-        shard = snap.records.pop("_shard", None)
+        # the coordinator's own shard is in its noise record already
+        shard = None if txn is not None else snap.shard
         if txn is None:
             writer = self.store.shard_writer(head[0], snap.step, head[1], dist.rank)
             for name, arr in snap.arrays.items():
@@ -280,12 +138,19 @@ class Checkpointer:
         gathered = dist.all_gather_object((mine, shard))
         manifest = None
         if txn is not None:
-            noise = snap.records["noise"]
-            for arrays, rec in gathered[1:]:
+            noise: NoiseRecord = snap.records["noise"]
+            rank_shard: RankShard
+            for arrays, rank_shard in gathered[1:]:
                 for name, meta in arrays.items():
                     txn.reference(name, meta)
-                noise["shards"].append({k: rec[k] for k in ("start", "stop", "slots")})
-                noise["placement"] = noise["placement"] + rec["placement"]
+                noise["shards"].append(
+                    {
+                        "start": rank_shard["start"],
+                        "stop": rank_shard["stop"],
+                        "slots": rank_shard["slots"],
+                    }
+                )
+                noise["placement"] = noise.get("placement", []) + rank_shard["placement"]
             manifest = self._commit(txn, snap)
         manifest = dist.broadcast_object(manifest)
         self.bytes_written += written

@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -14,7 +13,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from cocoon_ckpt._state_dict import check_state
 from cocoon_ckpt.dp.accountant import Accountant
 from cocoon_ckpt.dp.mechanism import BandMF, MechanismKind
-from cocoon_ckpt.dp.noise import CorrelatedNoise
+from cocoon_ckpt.dp.noise import CorrelatedNoise, generator_backend
 from cocoon_ckpt.dp.sampler import CyclicPoissonSampler
 from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.embedding.engine import TablePlan
@@ -25,6 +24,15 @@ from cocoon_ckpt.tiers.build import build_history
 from cocoon_ckpt.tiers.config import TierConfig
 from cocoon_ckpt.train.config import DPConfig
 from cocoon_ckpt.train.distributed import DistContext
+from cocoon_ckpt.train.trainer_state import (
+    TRAINER_SCHEMA,
+    TrainerState,
+    load_rng_state,
+    load_table_arrays,
+    noise_layout,
+    rng_state,
+    table_arrays,
+)
 from state import hooks
 
 __all__ = ["DPTrainer", "StepResult", "build_mechanism"]
@@ -329,32 +337,57 @@ class DPTrainer:
             self.embedding.close()
 
     # state -----------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Everything a resume needs, by reference to live tensors (copy before writing)."""
+    def state_dict(self) -> TrainerState:
+        """Everything a version holds, by reference to live tensors (copy before
+        writing): `cocoon_ckpt.train.codec` encodes exactly this."""
         return {
             "kind": "DPTrainer",
-            "schema_version": 1,
+            "schema_version": TRAINER_SCHEMA,
             "step": self.step_index,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "noise": self.noise.state_dict(),
+            "noise_layout": noise_layout(
+                self.noise,
+                self.dim,
+                self.param_names,
+                self.dist.rank if self.dist is not None else None,
+            ),
             "sampler": self.sampler.state_dict(),
-            "accountant": self.accountant.state_dict(),
-            "rng": {"torch": torch.get_rng_state()},
+            # epsilon costs a PLD composition: the checkpoint writer computes it off
+            # the training thread
+            "accountant": self.accountant.state_dict(with_epsilon=False),
+            "mechanism": self.mechanism.state_dict(),
+            "generator": generator_backend(),
+            "rng": rng_state(),
             "embedding": self.embedding.state_dict() if self.embedding is not None else None,
+            "embedding_tables": table_arrays(self.embedding)
+            if self.embedding is not None
+            else None,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state(state, "DPTrainer", 1)
+    def load_state_dict(self, state: TrainerState) -> None:
+        """Restore `state` (as `state_dict()` returns it, or `codec.decode` reads it).
+
+        The layout, mechanism and generator entries describe the state; a resume
+        compares the mechanism and generator before it loads (`train.resume`).
+
+        Raises:
+            StateSchemaError: not a DPTrainer state of this schema.
+            ValueError: the state belongs to another job (sampler, accountant, ring
+                shard, embedding tables or their noise order differ).
+        """
+        check_state(state, "DPTrainer", TRAINER_SCHEMA)
+        if (state["embedding"] is None) != (self.embedding is None):
+            raise ValueError("the stored state and this trainer disagree on embedding tables")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.noise.load_state_dict(state["noise"])
         if state["sampler"] != self.sampler.state_dict():
             raise ValueError(f"sampler state {state['sampler']} does not match this job's")
         self.accountant.load_state_dict(state["accountant"])
-        if (state.get("embedding") is None) != (self.embedding is None):
-            raise ValueError("the stored state and this trainer disagree on embedding tables")
-        if self.embedding is not None:
+        if self.embedding is not None and state["embedding"] is not None:
+            load_table_arrays(self.embedding, state["embedding_tables"] or [])
             self.embedding.load_state_dict(state["embedding"])
-        torch.set_rng_state(state["rng"]["torch"])
+        load_rng_state(state["rng"])
         self.step_index = int(state["step"])

@@ -15,7 +15,7 @@ import torch
 from cocoon_ckpt import DPConfig, DPTrainer, JobConfig, export_model, run_job
 from cocoon_ckpt.embedding import EmbeddingConfig, TableMode
 from cocoon_ckpt.errors import ConfigMismatchError
-from cocoon_ckpt.train.checkpoint import model_state
+from cocoon_ckpt.train.stored import model_state
 from cocoon_ckpt.train.runner import build_trainer
 from state import Store, StoreError
 

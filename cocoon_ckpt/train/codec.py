@@ -1,0 +1,357 @@
+"""The snapshot codec: the trainer's state dict <-> a version's arrays and records.
+
+`encode` turns exactly what `DPTrainer.state_dict()` returns into host copies of the
+arrays (ring slots new since the parent version; older ones are referenced from it)
+and the typed records of `cocoon_ckpt.records`; `decode` turns a verified version back
+into the dict `DPTrainer.load_state_dict()` takes. The store format is docs/store-format.md.
+
+The trainer is never imported here. A version's single parts (the model, the config,
+the embedding plans) are read by `cocoon_ckpt.train.stored`, which the tools use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from cocoon_ckpt.embedding.csc import CoalescedCSC
+from cocoon_ckpt.layout import emb_name, ring_name
+from cocoon_ckpt.records import (
+    AccountantRecord,
+    EmbeddingRecord,
+    GeneratorRecord,
+    MechanismRecord,
+    NoiseRecord,
+    OptimizerRecord,
+    OptimizerValue,
+    RankShard,
+    RingSlot,
+    RngRecord,
+    SamplerRecord,
+    ShardRecord,
+    SnapshotRecords,
+    TableRecord,
+)
+from cocoon_ckpt.train.stored import model_state, records_of
+from cocoon_ckpt.train.trainer_state import TRAINER_SCHEMA, TableArrays, TrainerState
+from state import ArrayMeta, Manifest, Version
+
+__all__ = [
+    "Snapshot",
+    "decode",
+    "encode",
+]
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().contiguous().numpy().copy()
+
+
+@dataclass(kw_only=True, slots=True)
+class Snapshot:
+    """A host-memory copy of one checkpoint, ready to be written."""
+
+    step: int
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    references: dict[str, ArrayMeta] = field(default_factory=dict)
+    shared: dict[str, np.ndarray] = field(default_factory=dict)
+    """Job-lifetime arrays new in this version (the precomputed CSC): written once
+    under shared/, referenced by every later version. Not copied: they never change."""
+    shard: RankShard | None = None
+    """This rank's ring shard (a multi-process job's coordinator gathers every rank's)."""
+    records: dict[str, Any] = field(default_factory=dict)
+    """Every record to write (`SnapshotRecords` plus the runner's; empty on a rank
+    other than the coordinator)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+# -- encode -------------------------------------------------------------------------
+
+
+def _ring_slots(
+    noise: dict[str, Any], name_of: Callable[[int], str], parent: Manifest | None, snap: Snapshot
+) -> list[RingSlot]:
+    """A ring's `[slot, step, array name]` list: slots new since the parent are copied
+    into `snap.arrays`, older ones referenced from the parent in `snap.references`."""
+    ring: torch.Tensor = noise["ring"]
+    slots: list[RingSlot] = []
+    for slot, step in enumerate(noise["slot_steps"]):
+        if step is None:
+            continue
+        name = name_of(step)
+        slots.append([slot, step, name])
+        if parent is not None and step < parent.step and name in parent.arrays:
+            snap.references[name] = parent.arrays[name]
+        else:
+            snap.arrays[name] = _to_numpy(ring[slot])
+    return slots
+
+
+def _optimizer(opt: dict[str, Any], snap: Snapshot) -> OptimizerRecord:
+    """torch's optimizer state: tensors to arrays `optim/<idx>/<key>`, the rest kept."""
+    state: dict[str, dict[str, OptimizerValue]] = {}
+    for idx, st in opt["state"].items():
+        rec: dict[str, OptimizerValue] = {}
+        for key, val in st.items():
+            if isinstance(val, torch.Tensor):
+                snap.arrays[f"optim/{idx}/{key}"] = _to_numpy(val)
+                rec[key] = {"array": f"optim/{idx}/{key}"}
+            else:
+                rec[key] = {"value": val}
+        state[str(idx)] = rec
+    return {"param_groups": opt["param_groups"], "state": state}
+
+
+def _table_ring_name(param: str) -> Callable[[int], str]:
+    """The array naming table `param`'s online ring slot of a step."""
+    return lambda step: emb_name(param, f"ring/w-{step:08d}")
+
+
+def _tables(state: TrainerState, parent: Manifest | None, snap: Snapshot) -> EmbeddingRecord:
+    """Each table's online ring (new slots only), and its CSC and noise order once."""
+    emb = state["embedding"]
+    extra = state["embedding_tables"]
+    if emb is None or extra is None:
+        raise ValueError("the trainer state has embedding noise state but no table arrays")
+    tables: list[TableRecord] = []
+    for st, arrs in zip(emb["tables"], extra, strict=True):
+        param = st["param"]
+        online = st["online"]
+        slots: list[RingSlot] = []
+        if online is not None:
+            slots = _ring_slots(online, _table_ring_name(param), parent, snap)
+        csc = arrs["csc"]
+        job_arrays = {"order": arrs["order"]}
+        if csc is not None:
+            job_arrays.update({f"csc/{k}": v for k, v in csc.arrays().items()})
+        for k, arr in job_arrays.items():
+            name = emb_name(param, k)
+            if parent is not None and name in parent.arrays:
+                snap.references[name] = parent.arrays[name]
+            else:
+                snap.shared[name] = arr
+        tables.append(
+            {
+                "param": param,
+                "rows": arrs["rows"],
+                "dim": arrs["dim"],
+                "plan": st["plan"],
+                "t": online["t"] if online is not None else state["step"],
+                "online_rows": arrs["online_rows"],
+                "slots": slots,
+                "csc": None
+                if csc is None
+                else {"entries": csc.nnz, "bytes": csc.nbytes, "steps": csc.steps},
+                "precompute_seconds": arrs["precompute_seconds"],
+                "history_bytes": arrs["history_bytes"],
+            }
+        )
+    return {"threat_model": emb["threat_model"], "cursor": state["step"], "tables": tables}
+
+
+def encode(state: TrainerState, parent: Manifest | None, *, shard_only: bool = False) -> Snapshot:
+    """Host copies of `state`'s arrays and its records, ring slots the parent version
+    already holds referenced.
+
+    Args:
+        state: `DPTrainer.state_dict()`.
+        parent: the version this one follows (None: the first).
+        shard_only: encode only this rank's ring shard (the ranks of a multi-process job
+            other than the coordinator: every other part is the same on every rank).
+    """
+    snap = Snapshot(step=state["step"])
+    noise, layout = state["noise"], state["noise_layout"]
+    rank = layout["rank"] or 0
+    slots = _ring_slots(noise, lambda step: ring_name(rank, step), parent, snap)
+    shard: ShardRecord = {"start": noise["start"], "stop": noise["stop"], "slots": slots}
+    snap.shard = {**shard, "placement": layout["placement"]}
+    if shard_only:
+        return snap
+    for name, t in state["model"].items():
+        snap.arrays[f"model/{name}"] = _to_numpy(t)
+    rng = state["rng"]
+    snap.arrays["rng/torch"] = _to_numpy(rng["torch"])
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = rng["numpy"]
+    snap.arrays["rng/numpy"] = np.asarray(np_keys)
+    py_version, py_internal, py_gauss = rng["python"]
+    rng_record: RngRecord = {
+        "numpy": {
+            "kind": np_kind,
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "cached_gaussian": float(np_gauss),
+        },
+        "python": [py_version, list(py_internal), py_gauss],
+    }
+    ring_slots = len(noise["slot_steps"])
+    noise_record: NoiseRecord = {
+        "t": noise["t"],
+        "dim": layout["dim"],
+        "dtype": noise["dtype"],
+        "head": noise["t"] % ring_slots if ring_slots else 0,
+        # storage: whole-width slots per rank shard, whatever the placement, so a
+        # resume on other tiers or another world size re-plans and loads the same arrays
+        "shards": [shard],
+        "placement": list(layout["placement"]),
+        "plan": layout["plan"],
+        "history_bytes": layout["history_bytes"],
+    }
+    records: SnapshotRecords = {
+        "trainer": {"step": state["step"]},
+        "optimizer": _optimizer(state["optimizer"], snap),
+        "sampler": cast(SamplerRecord, state["sampler"]),
+        "accountant": cast(AccountantRecord, state["accountant"]),
+        "mechanism": cast(MechanismRecord, state["mechanism"]),
+        "noise": noise_record,
+        "generator": cast(GeneratorRecord, state["generator"]),
+        "rng": rng_record,
+        "param_names": list(layout["param_names"]),
+    }
+    if state["embedding"] is not None:
+        records["embedding"] = _tables(state, parent, snap)
+    snap.records = dict(records)
+    return snap
+
+
+# -- decode -------------------------------------------------------------------------
+
+
+def _load_ring(
+    noise: dict[str, Any], shards: list[ShardRecord], version: Version
+) -> dict[str, Any]:
+    """The CorrelatedNoise state of `noise`'s [start, stop) (a live state dict, read
+    for its range, ring shape and dtype) from stored ring shards of any split: only the
+    overlaps are read (I1 and the fixed-order kernel make the noise independent of how
+    it was split)."""
+    start, stop = noise["start"], noise["stop"]
+    like: torch.Tensor = noise["ring"]
+    ring = torch.zeros(like.shape, dtype=like.dtype)
+    slot_steps: list[int | None] = [None] * like.shape[0]
+    for shard in shards:
+        lo, hi = max(shard["start"], start), min(shard["stop"], stop)
+        for slot, step, name in shard["slots"]:
+            slot_steps[slot] = step
+            if hi > lo:
+                part = version.array(name)[lo - shard["start"] : hi - shard["start"]]
+                ring[slot, lo - start : hi - start] = torch.from_numpy(part.copy())
+    return {**noise, "slot_steps": slot_steps, "ring": ring}
+
+
+def _decode_optimizer(rec: OptimizerRecord, version: Version) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for idx, st in rec["state"].items():
+        state[int(idx)] = {
+            key: torch.from_numpy(version.array(v["array"]).copy()) if "array" in v else v["value"]
+            for key, v in st.items()
+        }
+    return {"param_groups": rec["param_groups"], "state": state}
+
+
+def _decode_tables(
+    version: Version, like: TrainerState
+) -> tuple[dict[str, Any] | None, list[TableArrays] | None]:
+    emb = records_of(version).get("embedding")
+    if (emb is None) != (like["embedding"] is None):
+        raise ValueError(
+            f"version {version.version} {'has' if emb else 'has no'} embedding noise state, "
+            f"this job {'has' if like['embedding'] else 'has no'} embedding tables"
+        )
+    if emb is None or like["embedding"] is None:
+        return None, None
+    states, arrays = [], []
+    for live, rec in zip(like["embedding"]["tables"], emb["tables"], strict=True):
+        param = rec["param"]
+        online = None
+        if live["online"] is not None:
+            whole: list[ShardRecord] = [
+                {"start": 0, "stop": live["online"]["stop"], "slots": rec["slots"]}
+            ]
+            online = {**_load_ring(live["online"], whole, version), "t": rec["t"]}
+        states.append(
+            {
+                "kind": "TableEngine",
+                "schema_version": 1,
+                "param": param,
+                "plan": rec["plan"],
+                "online": online,
+            }
+        )
+        csc = None
+        if rec["csc"] is not None:
+            csc = CoalescedCSC.from_arrays(
+                {
+                    k: version.array(emb_name(param, f"csc/{k}"))
+                    for k in ("col_ptr", "rows", "values")
+                }
+            )
+        arrays.append(
+            TableArrays(
+                param=param,
+                rows=rec["rows"],
+                dim=rec["dim"],
+                online_rows=rec["online_rows"],
+                order=version.array(emb_name(param, "order")),
+                csc=csc,
+                precompute_seconds=float(rec.get("precompute_seconds", 0.0)),
+                history_bytes=rec["history_bytes"],
+            )
+        )
+    embedding = {
+        "kind": "EmbeddingNoise",
+        "schema_version": 1,
+        "threat_model": emb["threat_model"],
+        "tables": states,
+    }
+    return embedding, arrays
+
+
+def decode(version: Version, like: TrainerState) -> TrainerState:
+    """The trainer state a verified version holds, for `DPTrainer.load_state_dict()`.
+
+    Args:
+        version: the version to resume from.
+        like: the receiving trainer's own `state_dict()`: its ring shard's range, shape
+            and dtype (any stored sharding is read onto it) and its layout.
+
+    Raises:
+        ValueError: the version and the trainer disagree on embedding tables.
+        KeyError, TypeError, IndexError: a record is malformed.
+    """
+    rec = records_of(version)
+    nrec = rec["noise"]
+    embedding, tables = _decode_tables(version, like)
+    npr, py = rec["rng"]["numpy"], rec["rng"]["python"]
+    return {
+        "kind": "DPTrainer",
+        "schema_version": TRAINER_SCHEMA,
+        "step": rec["trainer"]["step"],
+        "model": model_state(version),
+        "optimizer": _decode_optimizer(rec["optimizer"], version),
+        "noise": {**_load_ring(like["noise"], nrec["shards"], version), "t": nrec["t"]},
+        # where the history lies now is this job's choice: the noise does not depend on it
+        "noise_layout": like["noise_layout"],
+        "sampler": dict(rec["sampler"]),
+        "accountant": dict(rec["accountant"]),
+        "mechanism": dict(rec["mechanism"]),
+        "generator": dict(rec["generator"]),
+        "rng": {
+            "torch": torch.from_numpy(version.array("rng/torch").copy()),
+            "numpy": (
+                npr["kind"],
+                version.array("rng/numpy").copy(),
+                npr["pos"],
+                npr["has_gauss"],
+                npr["cached_gaussian"],
+            ),
+            "python": (py[0], tuple(py[1]), py[2]),
+        },
+        "embedding": embedding,
+        "embedding_tables": tables,
+    }

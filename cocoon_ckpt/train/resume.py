@@ -1,0 +1,117 @@
+"""Resume checks: a version's records against this job (config, model shapes, key,
+generator backend, mechanism), then the trainer restored from it.
+
+A record that cannot be read is a damaged version (`CorruptVersionError`), never a
+crash with a bare KeyError.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from cocoon_ckpt.dp.noise import check_generator_backend
+from cocoon_ckpt.errors import ConfigMismatchError, NoiseKeyError
+from cocoon_ckpt.keys import key_id
+from cocoon_ckpt.train import config as cfgmod
+from cocoon_ckpt.train.build import build_trainer, model_shapes
+from cocoon_ckpt.train.codec import decode
+from cocoon_ckpt.train.config import JobConfig
+from cocoon_ckpt.train.distributed import DistContext
+from cocoon_ckpt.train.parts import JobParts
+from cocoon_ckpt.train.stored import records_of, stored_table_plans
+from cocoon_ckpt.train.trainer import DPTrainer
+from state import CorruptVersionError, Store, Version
+from state.manifest import manifest_path
+
+__all__ = ["check_records", "malformed_version", "prepare_trainer"]
+
+
+def prepare_trainer(
+    config: JobConfig,
+    key: bytes,
+    builder: Callable[..., JobParts] | None,
+    dist: DistContext | None,
+    allow_generator_change: bool,
+    resume: tuple[Store, Version] | None,
+) -> DPTrainer:
+    """The job's trainer; with `resume` = (store, version), checked against the version
+    and restored from it."""
+    plans = None
+    if resume is not None:
+        try:
+            plans = stored_table_plans(resume[1])
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            raise malformed_version(*resume, exc) from None
+    trainer = build_trainer(config, key, builder, plans, dist)
+    try:
+        if resume is not None:
+            store, latest = resume
+            shapes = model_shapes(trainer)
+            check_records(store, latest, config.to_record(), shapes, key, allow_generator_change)
+            like = trainer.state_dict()
+            if records_of(latest).get("mechanism") != like["mechanism"]:
+                raise ConfigMismatchError(
+                    f"{store.url}: the band coefficients computed now differ from version "
+                    f"{latest.version}'s; resuming would add different noise",
+                    ["mechanism.coefficients"],
+                )
+            try:
+                trainer.load_state_dict(decode(latest, like))
+            except (KeyError, TypeError, IndexError, AttributeError) as exc:
+                raise malformed_version(store, latest, exc) from None
+            step = trainer.step_index
+            if type(step) is not int or step != latest.step or not 0 < step <= config.dp.steps:
+                raise malformed_version(
+                    store,
+                    latest,
+                    ValueError(
+                        f"trainer.step={step!r}, the manifest says step {latest.step} of "
+                        f"{config.dp.steps}"
+                    ),
+                )
+    except BaseException:
+        trainer.close()
+        raise
+    return trainer
+
+
+def malformed_version(store: Store, latest: Version, exc: BaseException) -> CorruptVersionError:
+    v = latest.version
+    return CorruptVersionError(
+        f"version {v} of {store.url}: a record is malformed ({type(exc).__name__}: {exc}); "
+        "it cannot be resumed. Start a new store, or remove this version and resume from "
+        "an older one",
+        version=v,
+        path=manifest_path(v),
+    )
+
+
+def check_records(
+    store: Store,
+    latest: Version,
+    record: dict[str, Any],
+    shapes: dict[str, list[int]] | None,
+    key: bytes,
+    allow_generator_change: bool,
+) -> None:
+    """The resume checks that need no trainer: config (and model shapes when given),
+    key, generator backend."""
+    rec = records_of(latest)
+    try:
+        stored_cfg, stored_shapes, generator = rec["config"], rec["model_shapes"], rec["generator"]
+        cfgmod.check_resume(
+            stored_cfg,
+            record,
+            stored_shapes,
+            stored_shapes if shapes is None else shapes,
+            f"{store.url} (version {latest.version})",
+        )
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise malformed_version(store, latest, exc) from None
+    if rec.get("key_id") != key_id(key):
+        raise NoiseKeyError(
+            f"{store.url}: the noise key given does not match the key of version "
+            f"{latest.version}; resuming would add unrelated noise. Use the job's own key"
+        )
+    check_generator_backend(dict(generator), allow_change=allow_generator_change)

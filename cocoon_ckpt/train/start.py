@@ -1,0 +1,116 @@
+"""Starting a job on the coordinator: every check first, then the first write
+(create the store, take the lease, keep a new job's key), so a refused start changes
+nothing."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from cocoon_ckpt.keys import load_key, new_key, read_key_file, save_key
+from cocoon_ckpt.layout import KEY_SECRET
+from cocoon_ckpt.train.config import JobConfig
+from cocoon_ckpt.train.distributed import DistContext
+from cocoon_ckpt.train.parts import JobParts
+from cocoon_ckpt.train.resume import check_records, prepare_trainer
+from cocoon_ckpt.train.trainer import DPTrainer
+from state import Store, StoreError, StoreNotFoundError, Version
+
+__all__ = ["failure_to_ranks", "start_job"]
+
+log = logging.getLogger("cocoon_ckpt.train.runner")
+
+
+def _open_existing(url: str, storage_options: dict[str, Any] | None, fs: Any) -> Store | None:
+    """The store at `url`, or None where there is none yet (nothing is created)."""
+    try:
+        return Store.open(url, storage_options=storage_options, fs=fs, create=False)
+    except StoreNotFoundError:
+        return None
+
+
+def start_job(
+    config: JobConfig,
+    store_url: str,
+    *,
+    storage_options: dict[str, Any] | None,
+    fs: Any,
+    builder: Callable[..., JobParts] | None,
+    key_file: str | None,
+    takeover: bool,
+    allow_fallback: bool,
+    allow_generator_change: bool,
+    dist: DistContext | None,
+) -> tuple[Store, Version | None, bytes, DPTrainer | None]:
+    """Check everything, then write for the first time: create the store, take the lease,
+    keep a new job's key. Returns the store (lease held), the version to resume from, the
+    key, and (single process) the trainer, built, checked and restored.
+
+    A writer that commits between the checks and the lease (possible with `takeover`)
+    is caught: the checks run again, lease held, against its version."""
+    store = _open_existing(store_url, storage_options, fs)
+    try:
+        for _ in range(2):
+            seen = store.versions() if store is not None else []
+            latest = store.latest(allow_fallback=allow_fallback) if store and seen else None
+            resume = (store, latest) if store is not None and latest is not None else None
+            key = _job_key(store, key_file, resuming=resume is not None)
+            trainer = None
+            if dist is None:
+                trainer = prepare_trainer(
+                    config, key, builder, None, allow_generator_change, resume
+                )
+            elif resume is not None:
+                check_records(*resume, config.to_record(), None, key, allow_generator_change)
+            try:
+                if store is None:
+                    store = Store.open(store_url, storage_options=storage_options, fs=fs)
+                if store.lease is None:
+                    store.acquire_lease(takeover=takeover, expiry_s=config.lease_expiry_s)
+                if store.versions()[-1:] == seen[-1:]:
+                    if latest is None:
+                        save_key(store, key_file, key)
+                    return store, latest, key, trainer
+            except BaseException:
+                if trainer is not None:
+                    trainer.close()
+                raise
+            if trainer is not None:
+                trainer.close()
+            log.warning("%s: another writer committed while this job started", store.url)
+        raise StoreError(
+            f"{store_url}: other writers kept committing while this job started; stop them, "
+            "then rerun"
+        )
+    except BaseException:
+        if store is not None:
+            store.release_lease()
+        raise
+
+
+def _job_key(store: Store | None, key_file: str | None, *, resuming: bool) -> bytes:
+    """The job's key, read but not yet written: a resume's own key, the key a fresh job
+    finds (a key file of the user's, or a store whose first run died before its first
+    commit), or a new one that `save_key` keeps once every check has passed."""
+    if key_file is not None:
+        if resuming or os.path.lexists(key_file):
+            return read_key_file(key_file)
+        return new_key()
+    if store is not None and (resuming or store.get_secret(KEY_SECRET) is not None):
+        return load_key(store, None)
+    return new_key()
+
+
+@contextlib.contextmanager
+def failure_to_ranks(dist: DistContext | None) -> Iterator[None]:
+    """On the coordinator: a start-up failure is broadcast before it is raised, so the
+    other ranks, waiting for the lease, key and version, raise it too instead of hanging."""
+    try:
+        yield
+    except BaseException as exc:
+        if dist is not None:
+            dist.broadcast_object(("error", f"{type(exc).__name__}: {exc}"))
+        raise

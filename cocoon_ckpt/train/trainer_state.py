@@ -1,0 +1,186 @@
+"""The trainer's state dict, typed: what `DPTrainer.state_dict()` returns and
+`DPTrainer.load_state_dict()` takes, and the pieces of it the trainer's parts do not
+carry in their own state dicts (global generators, where the noise lies, the embedding
+tables' job-lifetime arrays).
+
+`cocoon_ckpt.train.codec` turns exactly this dict into a version's arrays and records
+and back; nothing else builds it.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING, Any, TypedDict, cast
+
+import numpy as np
+import torch
+
+from cocoon_ckpt.records import PlacementRecord
+
+if TYPE_CHECKING:
+    from cocoon_ckpt.dp.noise import CorrelatedNoise
+    from cocoon_ckpt.embedding.csc import CoalescedCSC
+    from cocoon_ckpt.embedding.tables import EmbeddingNoise
+
+__all__ = [
+    "TRAINER_SCHEMA",
+    "NoiseLayout",
+    "RngState",
+    "TableArrays",
+    "TrainerState",
+    "load_rng_state",
+    "load_table_arrays",
+    "noise_layout",
+    "rng_state",
+    "table_arrays",
+]
+
+#: `schema_version` of the trainer's state dict (2: global generators, layout and the
+#: embedding tables' arrays joined the parts' states).
+TRAINER_SCHEMA = 2
+
+
+class NoiseLayout(TypedDict):
+    """Where the dense noise vector comes from and where its history lies (descriptive:
+    a resume re-plans it, the noise is the same bit for bit on any layout)."""
+
+    dim: int
+    """Length of the whole noise vector."""
+    param_names: list[str]
+    """The dense parameters, flattened in this order into the noise vector."""
+    rank: int | None
+    """This process's rank (None: one process)."""
+    placement: list[PlacementRecord]
+    """Which absolute columns of this rank's shard lie on which tier."""
+    plan: dict[str, Any] | None
+    """The tier plan the history was split by (None: one host tier)."""
+    history_bytes: int
+
+
+class RngState(TypedDict):
+    """The global generators a job draws from (model initialisation, dropout, shuffles)."""
+
+    torch: torch.Tensor
+    """`torch.get_rng_state()`, (5056,) uint8."""
+    numpy: tuple[Any, ...]
+    """`np.random.get_state()` (legacy tuple form)."""
+    python: tuple[Any, ...]
+    """`random.getstate()`."""
+
+
+class TableArrays(TypedDict):
+    """An embedding table's job-lifetime arrays and sizes, beside its engine's state."""
+
+    param: str
+    rows: int
+    dim: int
+    online_rows: int
+    """Rows whose noise is generated online (a ring); the rest is precomputed or lazy."""
+    order: np.ndarray
+    """(rows,) int64: the table's noise order, fixed by the sampler and the data."""
+    csc: CoalescedCSC | None
+    """The precomputed coalesced noise (None: not coalesced, or not yet computed)."""
+    precompute_seconds: float
+    history_bytes: int
+
+
+class TrainerState(TypedDict):
+    """`DPTrainer.state_dict()`: the parts' own state dicts by reference to live
+    tensors (copy before writing), and what the trainer itself adds."""
+
+    kind: str
+    schema_version: int
+    step: int
+    """Steps taken."""
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    """torch's optimizer state_dict."""
+    noise: dict[str, Any]
+    """`CorrelatedNoise.state_dict()` of this rank's shard."""
+    noise_layout: NoiseLayout
+    sampler: dict[str, Any]
+    accountant: dict[str, Any]
+    """`Accountant.state_dict(with_epsilon=False)`: the writer computes epsilon."""
+    mechanism: dict[str, Any]
+    """`BandMF.state_dict()` (a resume compares it before loading)."""
+    generator: dict[str, Any]
+    """The generator backend (a resume checks it before loading)."""
+    rng: RngState
+    embedding: dict[str, Any] | None
+    """`EmbeddingNoise.state_dict()` (None: no embedding tables)."""
+    embedding_tables: list[TableArrays] | None
+
+
+def noise_layout(
+    noise: CorrelatedNoise, dim: int, param_names: list[str], rank: int | None
+) -> NoiseLayout:
+    """The layout of `noise`, this rank's shard of a `dim`-long vector."""
+    placement = [
+        {**p, "start": p["start"] + noise.start, "stop": p["stop"] + noise.start}
+        for p in noise.history.placement()
+    ]
+    if rank is not None:
+        placement = [{**p, "rank": rank} for p in placement]
+    return {
+        "dim": dim,
+        "param_names": list(param_names),
+        "rank": rank,
+        "placement": cast(list[PlacementRecord], placement),
+        "plan": noise.history.plan,
+        "history_bytes": noise.history_bytes(),
+    }
+
+
+def rng_state() -> RngState:
+    """The global generators' states now."""
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": tuple(np.random.get_state()),
+        "python": random.getstate(),
+    }
+
+
+def load_rng_state(state: RngState) -> None:
+    """Set the global generators to `state`."""
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def table_arrays(emb: EmbeddingNoise) -> list[TableArrays]:
+    """Each table's job-lifetime arrays and sizes (by reference)."""
+    return [
+        {
+            "param": e.spec.param,
+            "rows": e.rows,
+            "dim": e.dim,
+            "online_rows": e.online_rows,
+            "order": e.order,
+            "csc": e.csc,
+            "precompute_seconds": e.precompute_seconds,
+            "history_bytes": e.history_bytes(),
+        }
+        for e in emb.engines
+    ]
+
+
+def load_table_arrays(emb: EmbeddingNoise, tables: list[TableArrays]) -> None:
+    """Check each stored noise order against this job's, and use the stored CSCs.
+
+    Raises:
+        ValueError: the tables differ, or a table's noise order changed.
+    """
+    if [t["param"] for t in tables] != [e.spec.param for e in emb.engines]:
+        raise ValueError(
+            f"stored embedding tables {[t['param'] for t in tables]} differ from this "
+            f"job's {[e.spec.param for e in emb.engines]}"
+        )
+    for e, rec in zip(emb.engines, tables, strict=True):
+        if not np.array_equal(rec["order"], e.order):
+            raise ValueError(
+                f"table {e.spec.param}: the stored noise order differs from the one this "
+                "job's sampler and data give: the access schedule changed"
+            )
+        if rec["csc"] is not None:
+            e.set_csc(rec["csc"])
+        e.precompute_seconds = float(rec["precompute_seconds"])
