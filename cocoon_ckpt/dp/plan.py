@@ -317,12 +317,13 @@ def plan(
 ) -> Plan:
     """Calibrate sigma and predict the noise error of each (b, mechanism) at one setting.
 
-    The recommendation is the row of smallest predicted error. It weighs the noise of
-    plain SGD with a constant learning rate and nothing else: not momentum, Adam or a
-    learning-rate schedule (which weigh past noise differently), not the model's
-    nonlinearity or clipping bias, not the spread between seeds (a few percent of
-    predicted error is below what a trained model shows), and not memory or time (the
-    rows report the noise-state bytes and the GEMV reads; weigh them yourself).
+    The recommendation is the row of smallest predicted error. It weighs the summed
+    noise of plain SGD with a constant learning rate and nothing else: not the size of
+    each step's own noise C^-1 z (at the digits setting its std is 1.5-10x DP-SGD's
+    for b > 1, which a nonlinear model may feel where the sums cancel), not Adam or a
+    learning-rate schedule, not clipping bias, not the spread between seeds (a few
+    percent of predicted error is below what a trained model shows), and not memory or
+    time (the rows report the noise-state bytes and the GEMV reads; weigh them).
 
     Args:
         target_epsilon: epsilon every row must reach after `steps` steps (> 0).
