@@ -88,8 +88,14 @@ def test_inspect_audit_diff_gc_in_subprocesses(tmp_path: Path) -> None:
     versions = [v["version"] for v in out["versions"]]
     assert [v["step"] for v in out["versions"]] == [6, 9, 12]  # keep_last 3
     assert out["job"]["threat_model"] == "intermediate_iterates"
+    # retention ran after every commit: nothing is left for gc, every byte is referenced
+    space = out["space"]
+    assert space["unreachable_bytes"] == 0 and space["unreadable_versions"] == []
+    assert space["referenced_bytes"] > 0
+    assert space["data_ratio"] <= 1.05
     text = _run("inspect", store)
     assert text.returncode == 0 and "on host, 3 slots" in text.stdout
+    assert "unreachable 0 B (gc reclaims it)" in text.stdout
     one = json.loads(_run("inspect", store, "--version", str(versions[-1]), "--json").stdout)
     assert one["config"]["dp"]["steps"] == 12
 

@@ -129,6 +129,18 @@ def _inspect_lines(out: dict[str, Any]) -> list[str]:
             )
     for d in out["damaged_manifests"]:
         lines.append(f"DAMAGED version {d['version']}: {d['error']}")
+    sp = out.get("space")
+    if sp:
+        lines.append(
+            f"data {size(sp['data_bytes'])}, referenced {size(sp['referenced_bytes'])}, "
+            f"unreachable {size(sp['unreachable_bytes'])} (gc reclaims it), "
+            f"in flight {size(sp['in_flight_bytes'])}; data / referenced {sp['data_ratio']:.3f}"
+        )
+        if sp["unreadable_versions"]:
+            lines.append(
+                f"retention deletes nothing while versions {sp['unreadable_versions']} fail to "
+                "verify: run audit, then gc --discard-damaged to drop them"
+            )
     holder = out["lease_holder"]
     if holder is None:
         writer = "none ever"

@@ -144,6 +144,17 @@ def inspect_store(
         "lease_holder": store.lease_holder(),
         "key_in_store": store.get_secret(KEY_SECRET) is not None,
     }
+    if version is None:
+        space = store.space()
+        out["space"] = {
+            "data_bytes": space.data,
+            "referenced_bytes": space.referenced,
+            "unreachable_bytes": space.unreachable,
+            "in_flight_bytes": space.in_flight,
+            "unreferenced_shared_bytes": space.unreferenced_shared,
+            "data_ratio": space.data_ratio,
+            "unreadable_versions": list(space.unreadable),
+        }
     if last is not None:
         rec = last.records
         dp = rec.get("config", {}).get("dp", {})
