@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
-from cocoon_ckpt._cli import audit, catalog, chaos, export, train
+from cocoon_ckpt._cli import audit, catalog, chaos, export, plan, train
 from cocoon_ckpt._cli.args import LOG_LEVELS, Parser, log_level
 from cocoon_ckpt._cli.exits import exit_code, message
 from cocoon_ckpt._cli.train_config import field_default
@@ -37,6 +37,7 @@ _COMMANDS: tuple[Callable[[Subparsers], None], ...] = (
     catalog.add_parsers,  # inspect, diff, gc
     audit.add_parser,
     chaos.add_parser,
+    plan.add_parser,
 )
 
 
