@@ -53,6 +53,71 @@ def _inverse_first_column(c: np.ndarray, n: int) -> np.ndarray:
     return d
 
 
+def _reflection_to_polynomial(k: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Levinson step-up: reflection coefficients k (m,) to monic c_0..c_m.
+
+    Every k in (-1, 1)^m gives a polynomial 1 + c_1 z + ... + c_m z^m with no root in the
+    closed unit disc, and every such polynomial has one such k: exactly the C whose
+    inverse stays bounded in n. Also returns each step's padded predecessor, which the
+    vector-Jacobian product below reuses.
+    """
+    a = np.ones(1)
+    padded = []
+    for ki in k:
+        p = np.append(a, 0.0)
+        padded.append(p)
+        a = p + ki * p[::-1]
+    return a, padded
+
+
+def _reflection_vjp(k: np.ndarray, padded: list[np.ndarray], grad_c: np.ndarray) -> np.ndarray:
+    """d loss / d k from d loss / d c, reversing `_reflection_to_polynomial`, (m,)."""
+    g = grad_c
+    grad_k = np.empty(len(k))
+    for i in range(len(k) - 1, -1, -1):
+        p = padded[i]
+        grad_k[i] = g @ p[::-1]
+        g = (g + k[i] * g[::-1])[:-1]
+    return grad_k
+
+
+def _polynomial_to_reflection(c: np.ndarray) -> np.ndarray:
+    """Levinson step-down, the inverse of `_reflection_to_polynomial` (c_0 scaled to 1)."""
+    a = np.asarray(c, dtype=np.float64) / c[0]
+    k = np.empty(len(a) - 1)
+    for i in range(len(a) - 1, 0, -1):
+        k[i - 1] = a[i]
+        a = (a[:i] - a[i] * a[i:0:-1]) / (1.0 - a[i] * a[i])
+    return k
+
+
+def _error_and_gradient(c: np.ndarray, n: int) -> tuple[float, np.ndarray]:
+    """||A C^-1||_F^2 * ||c||^2 (scale-free in c) and its gradient in c, O(n b).
+
+    With d = C^-1 e_0 and e = cumsum(d), the error is sum_k (n - k) e_k^2. As C and C^-1
+    are lower-triangular Toeplitz they commute with the shift S, so dd/dc_i = -S^i C^-1 d
+    and de/dc_i = -S^i q with q = cumsum(C^-1 d): two banded solves, no dense n x n.
+    `BandMF.loss` keeps its own plain recursion: it is the referee `optimized` checks
+    its result against.
+    """
+    from scipy.linalg import lapack
+
+    b = len(c)
+    ab = np.repeat(c[:, None], n, axis=1)  # LAPACK lower band storage: ab[j, t] = C[t + j, t]
+    e0 = np.zeros((n, 1))
+    e0[0, 0] = 1.0
+    with np.errstate(over="ignore", invalid="ignore"):
+        d, _ = lapack.dtbtrs(ab, e0, uplo="L")
+        q, _ = lapack.dtbtrs(ab, d, uplo="L")
+        e = np.cumsum(d[:, 0])
+        q = np.cumsum(q[:, 0])
+        we = np.arange(n, 0, -1, dtype=np.float64) * e
+        err = float(we @ e)
+        norm2 = float(c @ c)
+        grad_err = np.array([-2.0 * (we[i:] @ q[: n - i]) for i in range(b)])
+        return err * norm2, norm2 * grad_err + 2.0 * err * c
+
+
 class BandMF:
     """A b-banded matrix-factorization mechanism for `steps` steps.
 
@@ -90,42 +155,51 @@ class BandMF:
     def optimized(cls, bands: int, steps: int, *, max_iter: int = 500) -> BandMF:
         """Minimise ||A C^-1||_F^2 over c (max column norm 1) for the prefix-sum A.
 
-        Starts from the banded square root and runs L-BFGS with torch autograd, so the
-        result is never worse than `banded_sqrt` on `loss()`.
+        Runs L-BFGS from the banded square root over the reflection coefficients
+        k_i = tanh(theta_i) of c, so every iterate has C^-1 bounded (see
+        `_reflection_to_polynomial`). In c itself one L-BFGS step can leave that region
+        (for b = 2, c_1 >= 1), where C^-1 grows like c_1^n, the loss overflows and the
+        search stops at its start. The result is never worse than `banded_sqrt` on
+        `loss()`, and the same inputs give the same bits.
+
+        Args:
+            bands: b, the number of coefficients.
+            steps: n, the number of steps.
+            max_iter: most L-BFGS iterations.
         """
-        # torch and scipy load here, not at import: `cocoon-ckpt inspect` and other
-        # store-only commands never need them and start in a fraction of the time.
-        import torch
+        # scipy loads here, not at import: `cocoon-ckpt inspect` and other store-only
+        # commands never need it and start in a fraction of the time.
         from scipy.optimize import minimize
 
         start = cls.banded_sqrt(bands, steps)
         if bands == 1:
             return cls(start.coefficients, steps=steps, kind=MechanismKind.OPTIMIZED)
-        n = steps
-        rows = torch.arange(n).unsqueeze(1)
-        lag = rows - torch.arange(n).unsqueeze(0)
-        band_mask = (lag >= 0) & (lag < bands)
-        lag_idx = lag.clamp(0, bands - 1)
-        weights = torch.arange(n, 0, -1, dtype=torch.float64)  # (n - k)
-        e0 = torch.zeros(n, 1, dtype=torch.float64)
-        e0[0] = 1.0
 
-        def loss_and_grad(x: np.ndarray) -> tuple[float, np.ndarray]:
-            tail = torch.tensor(x, dtype=torch.float64, requires_grad=True)
-            c = torch.cat([torch.ones(1, dtype=torch.float64), tail])
-            cmat = torch.where(band_mask, c[lag_idx], torch.zeros((), dtype=torch.float64))
-            d = torch.linalg.solve_triangular(cmat, e0, upper=False).squeeze(1)
-            e = torch.cumsum(d, 0)
-            loss = (weights * e * e).sum() * (c * c).sum()
-            (grad,) = torch.autograd.grad(loss, tail)
-            return float(loss.detach()), grad.numpy().copy()
+        def loss_and_grad(theta: np.ndarray) -> tuple[float, np.ndarray]:
+            k = np.tanh(theta)
+            c, padded = _reflection_to_polynomial(k)
+            loss, grad_c = _error_and_gradient(c, steps)
+            if not math.isfinite(loss):
+                # Reachable only with |k_i| near 1, where C^-1's transient growth can
+                # still overflow; L-BFGS-B then stops at its last finite iterate.
+                return math.inf, np.zeros_like(theta)
+            return loss, _reflection_vjp(k, padded, grad_c) * (1.0 - k * k)
 
-        c0 = start.coefficients / start.coefficients[0]
+        # The banded square root has positive, strictly decreasing coefficients, so by
+        # Enestrom-Kakeya its roots lie outside the closed unit disc: every |k_i| < 1.
+        theta0 = np.arctanh(_polynomial_to_reflection(start.coefficients))
+        # Stop on relative reduction only: the loss is O(n^2), so an absolute gradient
+        # tolerance means something different at each n. 1e-12 costs a few more
+        # (O(n b)) iterations and reaches the optimum to about 1e-12 relative.
         res = minimize(
-            loss_and_grad, c0[1:], jac=True, method="L-BFGS-B", options={"maxiter": max_iter}
+            loss_and_grad,
+            theta0,
+            jac=True,
+            method="L-BFGS-B",
+            options={"maxiter": max_iter, "ftol": 1e-12, "gtol": 0.0},
         )
-        best = np.concatenate([[1.0], res.x])
-        if cls(best, steps=steps).loss() > start.loss():
+        best, _ = _reflection_to_polynomial(np.tanh(res.x))
+        if not np.all(np.isfinite(best)) or cls(best, steps=steps).loss() > start.loss():
             best = start.coefficients
         return cls(best, steps=steps, kind=MechanismKind.OPTIMIZED)
 

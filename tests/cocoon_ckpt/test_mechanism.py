@@ -59,3 +59,86 @@ def test_state_dict_roundtrip() -> None:
     m2 = BandMF.from_state_dict(m.state_dict())
     np.testing.assert_array_equal(m.coefficients, m2.coefficients)
     assert m2.kind == m.kind
+
+
+def test_optimized_two_bands_finds_the_one_variable_optimum() -> None:
+    # At n = 1500 a first L-BFGS step in c lands at c_1 >= 1, where C^-1 grows like
+    # c_1^n; the optimiser must still find the interior optimum, not return the sqrt.
+    from scipy.optimize import minimize_scalar
+
+    n = 1500
+
+    def loss(c1: float) -> float:
+        return BandMF(np.array([1.0, c1]), steps=n).loss()
+
+    ref = minimize_scalar(loss, bounds=(0.0, 1.0), method="bounded", options={"xatol": 1e-9})
+    m = BandMF.optimized(2, n)
+    c1 = m.coefficients[1] / m.coefficients[0]
+    assert abs(c1 - ref.x) < 1e-3
+    assert m.loss() <= ref.fun * (1 + 1e-9)
+    assert m.loss() < 0.95 * BandMF.banded_sqrt(2, n).loss()
+
+
+@pytest.mark.parametrize("steps", [16, 64, 200])
+@pytest.mark.parametrize("bands", [2, 3, 5, 8])
+def test_optimized_is_a_local_minimum(bands: int, steps: int) -> None:
+    m = BandMF.optimized(bands, steps)
+    assert m.loss() <= BandMF.banded_sqrt(bands, steps).loss()
+    rng = np.random.default_rng(1000 * bands + steps)
+    c = m.coefficients / m.coefficients[0]
+    for scale in (1e-2, 1e-3):
+        for _ in range(4):
+            near = c + scale * np.concatenate([[0.0], rng.standard_normal(bands - 1)])
+            # Stable: no root of 1 + c_1 z + ... in the closed unit disc, so C^-1 stays bounded.
+            assert np.all(np.abs(np.roots(near[::-1])) > 1.0)
+            assert m.loss() <= BandMF(near, steps=steps).loss() * (1 + 1e-10)
+
+
+def test_optimized_is_deterministic() -> None:
+    a, b = BandMF.optimized(16, 300), BandMF.optimized(16, 300)
+    assert a.coefficients.tobytes() == b.coefficients.tobytes()
+
+
+def test_error_gradient_matches_dense_loss_and_finite_differences() -> None:
+    from cocoon_ckpt.dp.mechanism import _error_and_gradient
+
+    rng = np.random.default_rng(7)
+    n = 40
+    for bands in (2, 5, 9):
+        c = np.concatenate([[1.0], 0.3 * rng.standard_normal(bands - 1)])
+        loss, grad = _error_and_gradient(c, n)
+        assert loss == pytest.approx(BandMF(c, steps=n).loss(), rel=1e-12)
+        h = 1e-6
+        for i in range(bands):
+            step = np.zeros(bands)
+            step[i] = h
+            fd = (_error_and_gradient(c + step, n)[0] - _error_and_gradient(c - step, n)[0]) / (
+                2 * h
+            )
+            assert grad[i] == pytest.approx(fd, rel=1e-6, abs=1e-6 * abs(loss))
+
+
+def test_reflection_coefficients_round_trip_to_stable_polynomials() -> None:
+    from cocoon_ckpt.dp.mechanism import (
+        _polynomial_to_reflection,
+        _reflection_to_polynomial,
+        _reflection_vjp,
+    )
+
+    rng = np.random.default_rng(3)
+    for m in (1, 4, 12):
+        k = np.tanh(2.0 * rng.standard_normal(m))
+        c, padded = _reflection_to_polynomial(k)
+        assert c[0] == 1.0
+        assert np.all(np.abs(np.roots(c[::-1])) > 1.0)
+        np.testing.assert_allclose(_polynomial_to_reflection(c), k, atol=1e-9)
+        # The vector-Jacobian product against central differences of a linear functional.
+        g = rng.standard_normal(m + 1)
+        vjp = _reflection_vjp(k, padded, g)
+        for i in range(m):
+            dk = np.zeros(m)
+            dk[i] = 1e-6
+            fd = (
+                g @ _reflection_to_polynomial(k + dk)[0] - g @ _reflection_to_polynomial(k - dk)[0]
+            ) / 2e-6
+            assert vjp[i] == pytest.approx(fd, rel=1e-6, abs=1e-8)
