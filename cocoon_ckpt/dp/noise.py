@@ -9,6 +9,10 @@ no memory is ever shifted. `bandmf_step` is that step's one definition: the onli
 noise here, the audit's regeneration (`cocoon_ckpt.tools.regenerate`) and the
 embedding precompute (`cocoon_ckpt.embedding.precompute`) all run it. The ring is any
 `cocoon_ckpt.dp.ring.RingHistory`.
+
+Two generators realise the fresh noise (`NoiseRng`): the default, torch's mt19937 seeded
+per block, and the secure one (`cocoon_ckpt.dp.secure_noise`: ChaCha20 and an exact
+Box-Muller), for which docs/threat-models.md says what each protects against.
 """
 
 from __future__ import annotations
@@ -21,10 +25,16 @@ import numpy as np
 import torch
 
 from cocoon_ckpt._state_dict import check_state
-from cocoon_ckpt.dp.gemv import GEMV_SCHEME
+from cocoon_ckpt.dp.generator import (
+    GENERATOR_BACKEND,
+    NoiseRng,
+    as_noise_rng,
+    check_generator_backend,
+    generator_backend,
+)
 from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.dp.ring import HostRing, RingHistory
-from cocoon_ckpt.errors import GeneratorMismatchError
+from cocoon_ckpt.dp.secure_noise import require_backend, secure_gaussians
 from state import hooks
 
 __all__ = [
@@ -32,41 +42,22 @@ __all__ = [
     "GENERATOR_BACKEND",
     "CorrelatedNoise",
     "KeyedNoise",
+    "NoiseRng",
     "bandmf_step",
+    "check_generator_backend",
     "generator_backend",
 ]
 
 #: Coordinates per fresh-noise block: the unit every shard split aligns to.
 BLOCK = 1 << 16
-#: Name of the generator scheme; recorded in every manifest (I3).
-GENERATOR_BACKEND = "torch-mt19937-blake2b-block65536/v1"
+# Blocks the secure generator transforms in one pass (8 MiB of words): bounds memory
+# for any dim; the transform is elementwise, so the grouping changes no bit.
+_SECURE_CHUNK = 16
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 BEFORE_FRESH = hooks.declare("noise.before_fresh", "before fresh noise z_t is drawn")
 AFTER_FRESH = hooks.declare("noise.after_fresh", "after z_t is drawn, before the GEMV")
 AFTER_GEMV = hooks.declare("noise.after_gemv", "after the history GEMV, before the ring is updated")
-
-
-def generator_backend() -> dict[str, str]:
-    """The generator backend record: scheme plus the torch build that realises it
-    (torch may change its sampling algorithm between releases), and the history GEMV's
-    order of rounding (`cocoon_ckpt.dp.gemv`)."""
-    return {
-        "scheme": GENERATOR_BACKEND,
-        "torch": torch.__version__.split("+")[0],
-        "gemv": GEMV_SCHEME,
-    }
-
-
-def check_generator_backend(recorded: dict[str, Any], *, allow_change: bool = False) -> None:
-    """Refuse to resume on another generator backend unless the caller allows it."""
-    now = generator_backend()
-    if recorded != now and not allow_change:
-        raise GeneratorMismatchError(
-            f"the store's noise came from generator backend {recorded}, this process has "
-            f"{now}: resumed noise would differ from an uninterrupted run. Use the same torch "
-            "release, or pass allow_generator_change=True to accept the difference"
-        )
 
 
 def _dtype(name: str | torch.dtype) -> torch.dtype:
@@ -90,9 +81,20 @@ class KeyedNoise:
         dim: m, the number of coordinates.
         std: noise standard deviation (sigma * clip).
         dtype: float32 or float64.
+        rng: which generator (`NoiseRng`); the default is torch's mt19937.
+
+    Raises:
+        MissingExtraError: rng is secure and the `cryptography` package is missing.
     """
 
-    def __init__(self, key: bytes, dim: int, std: float, dtype: str | torch.dtype = "float32"):
+    def __init__(
+        self,
+        key: bytes,
+        dim: int,
+        std: float,
+        dtype: str | torch.dtype = "float32",
+        rng: NoiseRng | str = NoiseRng.DEFAULT,
+    ):
         if not isinstance(key, (bytes, bytearray)) or len(key) != 32:
             raise ValueError("noise key must be exactly 32 bytes (use secrets.token_bytes(32))")
         if dim < 1:
@@ -103,6 +105,9 @@ class KeyedNoise:
         self.dim = dim
         self.std = float(std)
         self.dtype = _dtype(dtype)
+        self.rng = as_noise_rng(rng)
+        if self.rng is NoiseRng.SECURE:
+            require_backend()
         self._gen = torch.Generator()
 
     @property
@@ -111,7 +116,7 @@ class KeyedNoise:
         return np.dtype(np.float64 if self.dtype == torch.float64 else np.float32)
 
     def __repr__(self) -> str:
-        return f"KeyedNoise(dim={self.dim}, std={self.std}, key=<secret>)"
+        return f"KeyedNoise(dim={self.dim}, std={self.std}, rng={self.rng.value}, key=<secret>)"
 
     def block_seed(self, t: int, block: int) -> int:
         """The 63-bit seed of (t, block), derived from the key with keyed BLAKE2b."""
@@ -132,6 +137,9 @@ class KeyedNoise:
         out = torch.empty(stop - start, dtype=self.dtype)
         if stop == start:
             return out
+        if self.rng is NoiseRng.SECURE:
+            self._fresh_secure(t, start, stop, out)
+            return out
         buf = torch.empty(BLOCK, dtype=self.dtype)
         for k in range(start // BLOCK, (stop - 1) // BLOCK + 1):
             lo, hi = k * BLOCK, (k + 1) * BLOCK
@@ -147,6 +155,19 @@ class KeyedNoise:
         if self.std != 1.0:
             out.mul_(self.std)
         return out
+
+    def _fresh_secure(self, t: int, start: int, stop: int, out: torch.Tensor) -> None:
+        # z is scaled in float64 and rounded once to the dtype
+        last = (stop - 1) // BLOCK + 1
+        for k0 in range(start // BLOCK, last, _SECURE_CHUNK):
+            k1 = min(k0 + _SECURE_CHUNK, last)
+            z = secure_gaussians(self._key, t, k0, k1 - k0, BLOCK)
+            lo = k0 * BLOCK
+            a, b = max(lo, start), min(k1 * BLOCK, stop)
+            seg = z[a - lo : b - lo]
+            if self.std != 1.0:
+                seg = seg * self.std
+            out[a - start : b - start] = torch.from_numpy(seg.astype(self.np_dtype))
 
 
 def bandmf_step(
@@ -211,6 +232,7 @@ class CorrelatedNoise:
         start, stop: the coordinate range this instance serves (a shard); whole by default.
         history: where the ring lives, any `RingHistory` (`cocoon_ckpt.tiers` places it
             over device, host and far memory); a `HostRing` by default.
+        rng: the fresh noise's generator (`NoiseRng`).
     """
 
     def __init__(
@@ -224,9 +246,10 @@ class CorrelatedNoise:
         start: int = 0,
         stop: int | None = None,
         history: RingHistory | None = None,
+        rng: NoiseRng | str = NoiseRng.DEFAULT,
     ) -> None:
         self.mechanism = mechanism
-        self.fresh_noise = KeyedNoise(key, dim, noise_std, dtype)
+        self.fresh_noise = KeyedNoise(key, dim, noise_std, dtype, rng)
         self.start = start
         self.stop = dim if stop is None else stop
         if not 0 <= self.start <= self.stop <= dim:
