@@ -1,7 +1,8 @@
 """History GEMV and the full noise step against the read-stream limit, and keyed fresh
-noise against plain torch.randn, side by side in one process.
+noise (default and secure generator) against plain torch.randn, side by side in one
+process.
 
-    python bench/noise_step.py [--dim 4194304] [--bands 8 32 64] [--rounds 7]
+    python bench/noise_step.py [--dim 4194304] [--bands 8 32 64] [--rounds 7] [--fresh-only]
 
 The read-stream limit is the faster of a numpy sum and a torch sum over the ring's own
 bytes: what this process can read from memory. The GEMV reads (b-1) x dim floats once
@@ -15,6 +16,12 @@ The full noise step (`CorrelatedNoise.step`: keyed fresh noise, the GEMV, w = (z
 c0, the ring write) is reported as the time the limit needs to read the ring once,
 divided by the step's time.
 
+Fresh noise: `KeyedNoise.fresh` over the whole dim in float32, with the default
+generator (torch mt19937 per block) and the secure one (ChaCha20 + exact Box-Muller,
+`cocoon_ckpt.dp.secure_noise`), and torch.randn on the same dim; the secure row also
+splits its time into the keystream and the transform. `--fresh-only` skips the GEMV
+table.
+
 Each figure is the best of `--rounds` rounds, ours and the baselines alternating within
 each round, so a drift in the machine's speed hits both.
 """
@@ -25,11 +32,14 @@ import argparse
 import time
 from collections.abc import Callable
 
+import numba
 import numpy as np
 import torch
 
 from cocoon_ckpt import BandMF, CorrelatedNoise, KeyedNoise
 from cocoon_ckpt.dp.gemv import mix_history, mix_history_reference
+from cocoon_ckpt.dp.noise import BLOCK
+from cocoon_ckpt.dp.secure_noise import block_key, box_muller, keystream_words
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -54,11 +64,17 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=1 << 22)
     p.add_argument("--bands", type=int, nargs="+", default=[8, 32, 64])
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--fresh-only", action="store_true", help="skip the GEMV table")
     args = p.parse_args()
-    m = args.dim
+    if not args.fresh_only:
+        gemv_table(args.dim, args.bands, args.rounds)
+    fresh_noise(args.dim, args.rounds)
+
+
+def gemv_table(m: int, bands: list[int], rounds: int) -> None:
     src = np.random.default_rng(0).random(1 << 26, dtype=np.float32)  # 256 MiB
     dst = np.empty_like(src)
-    t_copy = best_interleaved({"copy": lambda: np.copyto(dst, src)}, args.rounds)["copy"]
+    t_copy = best_interleaved({"copy": lambda: np.copyto(dst, src)}, rounds)["copy"]
     copy_bw = 2 * src.nbytes / t_copy
     print(f"probe: numpy copy 256 MiB, {copy_bw / 1e9:.1f} GB/s (read+write)")
     print(f"torch threads {torch.get_num_threads()}")
@@ -69,7 +85,7 @@ def main() -> None:
     )
     key = bytes(32)
     rng = np.random.default_rng(0)
-    for b in args.bands:
+    for b in bands:
         mech = BandMF.banded_sqrt(b, 4 * b)
         ring = rng.standard_normal((b - 1, m), dtype=np.float32)
         flat = ring.reshape(-1)
@@ -87,7 +103,7 @@ def main() -> None:
             "reference": lambda: mix_history_reference(mix, ring, out),  # noqa: B023
             "blas": lambda: mix @ ring,  # noqa: B023
         }
-        t = best_interleaved(fns, args.rounds)
+        t = best_interleaved(fns, rounds)
         step.close()
         by = "numpy" if t["numpy_sum"] <= t["torch_sum"] else "torch"
         limit = ring.nbytes / min(t["numpy_sum"], t["torch_sum"])
@@ -100,11 +116,46 @@ def main() -> None:
             f"{ref_bw / 1e9:>14.1f} {ref_bw / limit:>7.2f} "
             f"{ring.nbytes / t['blas'] / 1e9:>9.1f} {t['step'] * 1e3:>8.1f} {step_ratio:>11.2f}"
         )
+
+
+def fresh_noise(m: int, rounds: int) -> None:
+    """Fresh noise throughput, default vs secure generator vs torch.randn, float32."""
+    key = bytes(32)
     kn = KeyedNoise(key, m, 1.0)
-    t = best_interleaved({"keyed": lambda: kn.fresh(7), "randn": lambda: torch.randn(m)}, 7)
+    ks = KeyedNoise(key, m, 1.0, rng="secure")
+    chunk = 16  # blocks per pass, as KeyedNoise draws them
+    words = np.empty(chunk * BLOCK, dtype=np.uint64)
+    bkeys = [block_key(key, 7, k) for k in range(chunk)]
+    blocks = -(-m // BLOCK)
+
+    def keystream() -> None:
+        for k, bkey in enumerate(bkeys):
+            keystream_words(bkey, BLOCK, words[k * BLOCK : (k + 1) * BLOCK])
+
+    t = best_interleaved(
+        {
+            "default": lambda: kn.fresh(7),
+            "secure": lambda: ks.fresh(7),
+            "randn": lambda: torch.randn(m),
+            # the secure generator's two parts over 16 blocks, scaled to the dim
+            "keystream": keystream,
+            "transform": lambda: box_muller(words),
+        },
+        rounds,
+    )
+    print(f"fresh noise, dim {m}, float32, torch threads {torch.get_num_threads()}:")
+    for name in ("default", "secure", "randn"):
+        print(
+            f"  {name:>8} {m / t[name] / 1e6:>7.1f} M samples/s  "
+            f"{t[name] * 1e3:>8.1f} ms  ÷default {t[name] / t['default']:>5.2f}"
+        )
+    part = {k: t[k] * blocks / chunk for k in ("keystream", "transform")}
+    n = chunk * BLOCK
     print(
-        f"fresh noise: keyed {m / t['keyed'] / 1e6:.0f} M samples/s, torch.randn "
-        f"{m / t['randn'] / 1e6:.0f} M samples/s, ratio {t['randn'] / t['keyed']:.2f}"
+        f"  secure split: ChaCha20 keystream {part['keystream'] * 1e3:.1f} ms "
+        f"({8 * n / t['keystream'] / 1e9:.2f} GB/s), Box-Muller "
+        f"{part['transform'] * 1e3:.1f} ms ({n / t['transform'] / 1e6:.1f} M samples/s, "
+        f"numba threads {numba.get_num_threads()})"
     )
 
 

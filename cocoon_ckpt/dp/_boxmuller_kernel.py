@@ -7,7 +7,8 @@ temporaries and runs at 10-15 M samples/s here, this one keeps a pair in registe
 numba compiles with `fastmath=False`, so LLVM gets no `contract` flag and never fuses a
 multiply and an add into an FMA (which would change the roundings the scheme fixes);
 tests/cocoon_ckpt/test_secure_noise.py compares it with the numpy reference bit for
-bit. The coefficient arrays are passed in, not closed over, so both versions use the
+bit. Pairs are independent, so splitting them over threads (`prange`) changes no bit.
+The coefficient arrays are passed in, not closed over, so both versions use the
 one definition in `secure_noise`.
 """
 
@@ -15,10 +16,16 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
-__all__ = ["box_muller_into"]
+from cocoon_ckpt.dp._gemv_kernel import _parallel_lock
+
+__all__ = ["box_muller_into", "box_muller_kernel"]
+
+#: Pairs per parallel task (64 KiB of words): large enough to amortise the launch.
+PAIRS_PER_TASK = 4096
 
 
 @njit(nogil=True, fastmath=False, cache=True)
@@ -81,3 +88,33 @@ def box_muller_into(words, out, sin_c, cos_c, atanh_c, consts):  # type: ignore[
             cs, sn = -cs, -sn
         out[2 * i] = radius * cs
         out[2 * i + 1] = radius * sn
+
+
+@njit(nogil=True, fastmath=False, parallel=True, cache=True)
+def _parallel(words, out, sin_c, cos_c, atanh_c, consts, pairs_per_task):  # type: ignore[no-untyped-def]
+    pairs = words.shape[0] // 2
+    for k in prange((pairs + pairs_per_task - 1) // pairs_per_task):
+        lo = 2 * k * pairs_per_task
+        hi = min(lo + 2 * pairs_per_task, 2 * pairs)
+        box_muller_into(words[lo:hi], out[lo:hi], sin_c, cos_c, atanh_c, consts)
+
+
+def box_muller_kernel(
+    words: np.ndarray,
+    out: np.ndarray,
+    coefs: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+) -> None:
+    """`box_muller_into` over all cores when they are free, else on this thread.
+
+    The gemv kernel's lock: numba's workqueue threading layer aborts on concurrent
+    parallel launches, so a caller that finds another launch running (a tier's pool
+    thread) runs the serial loop, which computes the same bits.
+    """
+    if numba.get_num_threads() > 1 and len(words) > 2 * PAIRS_PER_TASK:
+        if _parallel_lock.acquire(blocking=False):
+            try:
+                _parallel(words, out, *coefs, PAIRS_PER_TASK)
+                return
+            finally:
+                _parallel_lock.release()
+    box_muller_into(words, out, *coefs)

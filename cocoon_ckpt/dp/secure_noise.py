@@ -32,7 +32,9 @@ addition).
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import sys
 from decimal import Decimal
 from fractions import Fraction
 from math import factorial
@@ -97,12 +99,34 @@ def block_key(key: bytes, t: int, block: int) -> bytes:
     return hashlib.blake2b(msg, key=key, digest_size=32, person=_PERSON).digest()
 
 
-def keystream_words(bkey: bytes, n: int) -> np.ndarray:
+@functools.lru_cache(maxsize=2)
+def _zeros(nbytes: int) -> bytes:
+    return bytes(nbytes)
+
+
+def keystream_words(bkey: bytes, n: int, out: np.ndarray | None = None) -> np.ndarray:
     """The first n little-endian uint64 words of the ChaCha20 keystream under `bkey`
-    (counter 0, nonce 0), (n,) uint64."""
+    (counter 0, nonce 0).
+
+    Args:
+        bkey: 32 bytes, a block key.
+        n: words.
+        out: (n,) C-contiguous uint64 to write into (3-6x faster here than a new
+            buffer: the keystream is written in place, not copied out of bytes).
+
+    Returns:
+        (n,) uint64: `out` when given.
+    """
     cipher, chacha20 = _chacha20()
+    if out is None:
+        out = np.empty(n, dtype=np.uint64)
+    if out.shape != (n,) or out.dtype != np.uint64 or not out.flags.c_contiguous:
+        raise ValueError(f"out is {out.dtype}{out.shape}, expected C-contiguous uint64 ({n},)")
     enc = cipher(chacha20(bkey, bytes(16)), mode=None).encryptor()
-    return np.frombuffer(enc.update(bytes(8 * n)), dtype="<u8").astype(np.uint64, copy=False)
+    enc.update_into(_zeros(8 * n), out.data.cast("B"))
+    if sys.byteorder == "big":
+        out.byteswap(inplace=True)  # the scheme reads the bytes little-endian
+    return out
 
 
 def _horner(coefs: list[float], y: np.ndarray) -> np.ndarray:
@@ -187,10 +211,10 @@ def box_muller(words: np.ndarray, *, compiled: bool = True) -> np.ndarray:
         raise ValueError(f"words has {len(words)} entries; Box-Muller needs an even count")
     if not compiled:
         return box_muller_reference(words)
-    from cocoon_ckpt.dp._boxmuller_kernel import box_muller_into
+    from cocoon_ckpt.dp._boxmuller_kernel import box_muller_kernel
 
     out = np.empty(len(words), dtype=np.float64)
-    box_muller_into(np.ascontiguousarray(words, dtype=np.uint64), out, *_COEFS)
+    box_muller_kernel(np.ascontiguousarray(words, dtype=np.uint64), out, _COEFS)
     return out
 
 
@@ -206,7 +230,7 @@ def secure_gaussians(key: bytes, t: int, first: int, count: int, block: int) -> 
     """
     words = np.empty(count * block, dtype=np.uint64)
     for i in range(count):
-        words[i * block : (i + 1) * block] = keystream_words(block_key(key, t, first + i), block)
+        keystream_words(block_key(key, t, first + i), block, words[i * block : (i + 1) * block])
     # one pass over all the blocks: the transform is elementwise, so its result does
     # not depend on how the blocks are grouped
     return box_muller(words)
