@@ -10,14 +10,14 @@ noise here, the audit's regeneration (`cocoon_ckpt.tools.regenerate`) and the
 embedding precompute (`cocoon_ckpt.embedding.precompute`) all run it. The ring is any
 `cocoon_ckpt.dp.ring.RingHistory`.
 
-Two generators realise the fresh noise (`NoiseRng`): the default, torch's mt19937 seeded
-per block, and the secure one (`cocoon_ckpt.dp.secure_noise`: ChaCha20 and an exact
-Box-Muller), for which docs/threat-models.md says what each protects against.
+Two generators realise the fresh noise (`NoiseRng`): the default
+(`cocoon_ckpt.dp.default_noise`: numpy's SFC64 seeded per block with 256 keyed bits,
+numpy's ziggurat) and the secure one (`cocoon_ckpt.dp.secure_noise`: ChaCha20 and an
+exact Box-Muller), for which docs/threat-models.md says what each protects against.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from cocoon_ckpt._state_dict import check_state
+from cocoon_ckpt.dp.default_noise import BLOCK, block_entropy, keyed_gaussians
 from cocoon_ckpt.dp.generator import (
     GENERATOR_BACKEND,
     NoiseRng,
@@ -48,8 +49,6 @@ __all__ = [
     "generator_backend",
 ]
 
-#: Coordinates per fresh-noise block: the unit every shard split aligns to.
-BLOCK = 1 << 16
 # Blocks the secure generator transforms in one pass (8 MiB of words): bounds memory
 # for any dim; the transform is elementwise, so the grouping changes no bit.
 _SECURE_CHUNK = 16
@@ -81,7 +80,7 @@ class KeyedNoise:
         dim: m, the number of coordinates.
         std: noise standard deviation (sigma * clip).
         dtype: float32 or float64.
-        rng: which generator (`NoiseRng`); the default is torch's mt19937.
+        rng: which generator (`NoiseRng`); the default is numpy's SFC64 per block.
 
     Raises:
         MissingExtraError: rng is secure and the `cryptography` package is missing.
@@ -108,7 +107,6 @@ class KeyedNoise:
         self.rng = as_noise_rng(rng)
         if self.rng is NoiseRng.SECURE:
             require_backend()
-        self._gen = torch.Generator()
 
     @property
     def np_dtype(self) -> np.dtype[Any]:
@@ -118,11 +116,10 @@ class KeyedNoise:
     def __repr__(self) -> str:
         return f"KeyedNoise(dim={self.dim}, std={self.std}, rng={self.rng.value}, key=<secret>)"
 
-    def block_seed(self, t: int, block: int) -> int:
-        """The 63-bit seed of (t, block), derived from the key with keyed BLAKE2b."""
-        msg = int(t).to_bytes(8, "little") + int(block).to_bytes(8, "little")
-        digest = hashlib.blake2b(msg, key=self._key, digest_size=8, person=b"cocoon-z").digest()
-        return int.from_bytes(digest, "little") >> 1
+    def block_entropy(self, t: int, block: int) -> int:
+        """The 256-bit seed of (t, block) under the default scheme, derived from the key
+        with keyed BLAKE2b (`cocoon_ckpt.dp.default_noise.block_entropy`)."""
+        return block_entropy(self._key, t, block)
 
     def fresh(self, t: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """z_t[start:stop], shape (stop - start,), in `dtype`.
@@ -140,20 +137,8 @@ class KeyedNoise:
         if self.rng is NoiseRng.SECURE:
             self._fresh_secure(t, start, stop, out)
             return out
-        buf = torch.empty(BLOCK, dtype=self.dtype)
-        for k in range(start // BLOCK, (stop - 1) // BLOCK + 1):
-            lo, hi = k * BLOCK, (k + 1) * BLOCK
-            self._gen.manual_seed(self.block_seed(t, k))
-            a, z = max(lo, start), min(hi, stop)
-            if a == lo and z == hi:
-                torch.randn(
-                    BLOCK, generator=self._gen, dtype=self.dtype, out=out[a - start : z - start]
-                )
-            else:
-                torch.randn(BLOCK, generator=self._gen, dtype=self.dtype, out=buf)
-                out[a - start : z - start] = buf[a - lo : z - lo]
-        if self.std != 1.0:
-            out.mul_(self.std)
+        # blocks are independent: drawn on torch's intra-op threads, the same bits
+        keyed_gaussians(self._key, t, start, stop, out.numpy(), self.std, torch.get_num_threads())
         return out
 
     def _fresh_secure(self, t: int, start: int, stop: int, out: torch.Tensor) -> None:
