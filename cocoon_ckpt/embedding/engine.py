@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from cocoon_ckpt._state_dict import check_state
+from cocoon_ckpt.dp.generator import NoiseRng
 from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.dp.noise import CorrelatedNoise
 from cocoon_ckpt.embedding.config import TableMode, TableSpec
@@ -68,6 +69,8 @@ class TableEngine:
         plan: the path (see `TablePlan`).
         tile_rows: precompute tile size (None: default).
         tiers: where the online history lives (`cocoon_ckpt.tiers`; None: the host).
+        rng: the fresh noise's generator (`NoiseRng`), for the precompute and the online
+            rows alike (the lazy b = 1 path draws its own, `LazyNoise`).
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class TableEngine:
         plan: TablePlan,
         tile_rows: int | None = None,
         tiers: TierConfig | None = None,
+        rng: NoiseRng | str = NoiseRng.DEFAULT,
     ) -> None:
         if plan.mode is TableMode.AUTO:
             raise ValueError("a TablePlan's mode must be resolved (dense, coalesced or lazy)")
@@ -102,7 +106,7 @@ class TableEngine:
         self.dtype = dtype
         self.tile_rows = tile_rows
         self.order = schedule.noise_order()
-        self.noise = table_noise(key, spec.param, rows, dim, std, dtype)
+        self.noise = table_noise(key, spec.param, rows, dim, std, dtype, rng)
         sub = table_key(key, spec.param)
         width = {TableMode.DENSE: rows, TableMode.COALESCED: plan.hot, TableMode.LAZY: 0}
         self.online_rows = width[plan.mode]
@@ -118,6 +122,7 @@ class TableEngine:
                 dtype,
                 stop=self.online_rows * dim,
                 history=history,
+                rng=rng,
             )
         self._online_index = torch.from_numpy(self.order[: self.online_rows])
         self.lazy = LazyNoise(sub, dim, std, factors) if plan.mode is TableMode.LAZY else None

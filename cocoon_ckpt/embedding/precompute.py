@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from cocoon_ckpt.dp.generator import NoiseRng
 from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.dp.noise import BLOCK, KeyedNoise, bandmf_step
 from cocoon_ckpt.dp.ring import HostRing
@@ -35,12 +36,18 @@ def table_key(key: bytes, param: str) -> bytes:
 
 
 def table_noise(
-    key: bytes, param: str, rows: int, dim: int, std: float, dtype: str | torch.dtype
+    key: bytes,
+    param: str,
+    rows: int,
+    dim: int,
+    std: float,
+    dtype: str | torch.dtype,
+    rng: NoiseRng | str = NoiseRng.DEFAULT,
 ) -> KeyedNoise:
-    """The keyed fresh noise of one table's noise space, R * dim coordinates: each
-    table has its own coordinate space, and slot p (rows in
+    """The keyed fresh noise of one table's noise space, R * dim coordinates, drawn by
+    the generator `rng`: each table has its own coordinate space, and slot p (rows in
     `AccessSchedule.noise_order`) holds coordinates [p * dim, (p + 1) * dim)."""
-    return KeyedNoise(table_key(key, param), rows * dim, std, dtype)
+    return KeyedNoise(table_key(key, param), rows * dim, std, dtype, rng)
 
 
 def default_tile_rows(dim: int, bands: int, itemsize: int) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from cocoon_ckpt.dp.generator import NoiseRng
 from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.dp.noise import BLOCK, KeyedNoise, bandmf_step
 from cocoon_ckpt.dp.ring import HostRing
@@ -25,11 +26,13 @@ def regenerate(
     dtype: str,
     coords: np.ndarray,
     steps: int,
+    rng: NoiseRng | str = NoiseRng.DEFAULT,
 ) -> np.ndarray:
     """w_t at `coords` for t < steps, (steps, len(coords)), computed the engine's way:
     the recursion is coordinate-wise, so a few coordinates need only their own history
-    (their fresh noise blocks are drawn whole, as I1 defines them)."""
-    fresh = KeyedNoise(key, dim, std, dtype)
+    (their fresh noise blocks are drawn whole, as I1 defines them), with the generator
+    `rng` the job drew its noise with."""
+    fresh = KeyedNoise(key, dim, std, dtype, rng)
     tdtype = fresh.dtype
     blocks = np.unique(coords // BLOCK)
     out = torch.empty(steps, len(coords), dtype=tdtype)
