@@ -3,6 +3,7 @@ noise (default and secure generator) against plain torch.randn, side by side in 
 process.
 
     python bench/noise_step.py [--dim 4194304] [--bands 8 32 64] [--rounds 7] [--fresh-only]
+        [--dtype float32]
 
 The read-stream limit is the faster of a numpy sum and a torch sum over the ring's own
 bytes: what this process can read from memory. The GEMV reads (b-1) x dim floats once
@@ -16,11 +17,13 @@ The full noise step (`CorrelatedNoise.step`: keyed fresh noise, the GEMV, w = (z
 c0, the ring write) is reported as the time the limit needs to read the ring once,
 divided by the step's time.
 
-Fresh noise: `KeyedNoise.fresh` over the whole dim in float32, with the default
-generator (torch mt19937 per block) and the secure one (ChaCha20 + exact Box-Muller,
-`cocoon_ckpt.dp.secure_noise`), and torch.randn on the same dim; the secure row also
-splits its time into the keystream and the transform. `--fresh-only` skips the GEMV
-table.
+Fresh noise: `KeyedNoise.fresh` over the whole dim (float32, or `--dtype`), with the
+default generator (numpy SFC64 per block, `cocoon_ckpt.dp.default_noise`) on torch's
+threads and on one, the retired v1 default (torch mt19937 seeded per block with 63 bits
+of which torch kept 32, rebuilt here for the comparison) and the secure one (ChaCha20 +
+exact Box-Muller, `cocoon_ckpt.dp.secure_noise`), and torch.randn on the same dim; the
+secure row also splits its time into the keystream and the transform. `--fresh-only`
+skips the GEMV table.
 
 Each figure is the best of `--rounds` rounds, ours and the baselines alternating within
 each round, so a drift in the machine's speed hits both.
@@ -29,6 +32,7 @@ each round, so a drift in the machine's speed hits both.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import time
 from collections.abc import Callable
 
@@ -37,6 +41,7 @@ import numpy as np
 import torch
 
 from cocoon_ckpt import BandMF, CorrelatedNoise, KeyedNoise
+from cocoon_ckpt.dp.default_noise import keyed_gaussians
 from cocoon_ckpt.dp.gemv import mix_history, mix_history_reference
 from cocoon_ckpt.dp.noise import BLOCK
 from cocoon_ckpt.dp.secure_noise import block_key, box_muller, keystream_words
@@ -65,10 +70,11 @@ def main() -> None:
     p.add_argument("--bands", type=int, nargs="+", default=[8, 32, 64])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--fresh-only", action="store_true", help="skip the GEMV table")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     args = p.parse_args()
     if not args.fresh_only:
         gemv_table(args.dim, args.bands, args.rounds)
-    fresh_noise(args.dim, args.rounds)
+    fresh_noise(args.dim, args.rounds, args.dtype)
 
 
 def gemv_table(m: int, bands: list[int], rounds: int) -> None:
@@ -118,11 +124,29 @@ def gemv_table(m: int, bands: list[int], rounds: int) -> None:
         )
 
 
-def fresh_noise(m: int, rounds: int) -> None:
-    """Fresh noise throughput, default vs secure generator vs torch.randn, float32."""
+def v1_fresh(key: bytes, t: int, m: int, dtype: torch.dtype) -> torch.Tensor:
+    """The retired default, `torch-mt19937-blake2b-block65536/v1`: torch's mt19937 per
+    block, seeded by 63 bits of keyed BLAKE2b (torch kept the low 32)."""
+    gen, out = torch.Generator(), torch.empty(m, dtype=dtype)
+    for k in range(-(-m // BLOCK)):
+        msg = t.to_bytes(8, "little") + k.to_bytes(8, "little")
+        seed = hashlib.blake2b(msg, key=key, digest_size=8, person=b"cocoon-z").digest()
+        gen.manual_seed(int.from_bytes(seed, "little") >> 1)
+        seg = out[k * BLOCK : (k + 1) * BLOCK]
+        if len(seg) == BLOCK:
+            torch.randn(BLOCK, generator=gen, dtype=dtype, out=seg)
+        else:
+            seg[:] = torch.randn(BLOCK, generator=gen, dtype=dtype)[: len(seg)]
+    return out
+
+
+def fresh_noise(m: int, rounds: int, dtype: str = "float32") -> None:
+    """Fresh noise throughput, default vs v1 vs secure generator vs torch.randn."""
     key = bytes(32)
-    kn = KeyedNoise(key, m, 1.0)
-    ks = KeyedNoise(key, m, 1.0, rng="secure")
+    tdtype = getattr(torch, dtype)
+    kn = KeyedNoise(key, m, 1.0, dtype)
+    ks = KeyedNoise(key, m, 1.0, dtype, rng="secure")
+    one = np.empty(m, dtype=dtype)
     chunk = 16  # blocks per pass, as KeyedNoise draws them
     words = np.empty(chunk * BLOCK, dtype=np.uint64)
     bkeys = [block_key(key, 7, k) for k in range(chunk)]
@@ -135,19 +159,22 @@ def fresh_noise(m: int, rounds: int) -> None:
     t = best_interleaved(
         {
             "default": lambda: kn.fresh(7),
+            "default-1": lambda: keyed_gaussians(key, 7, 0, m, one, 1.0, threads=1),
+            "v1": lambda: v1_fresh(key, 7, m, tdtype),
             "secure": lambda: ks.fresh(7),
-            "randn": lambda: torch.randn(m),
+            "randn": lambda: torch.randn(m, dtype=tdtype),
             # the secure generator's two parts over 16 blocks, scaled to the dim
             "keystream": keystream,
             "transform": lambda: box_muller(words),
         },
         rounds,
     )
-    print(f"fresh noise, dim {m}, float32, torch threads {torch.get_num_threads()}:")
-    for name in ("default", "secure", "randn"):
+    print(f"fresh noise, dim {m}, {dtype}, torch threads {torch.get_num_threads()}:")
+    for name in ("default", "default-1", "v1", "secure", "randn"):
         print(
-            f"  {name:>8} {m / t[name] / 1e6:>7.1f} M samples/s  "
-            f"{t[name] * 1e3:>8.1f} ms  ÷default {t[name] / t['default']:>5.2f}"
+            f"  {name:>9} {m / t[name] / 1e6:>7.1f} M samples/s  "
+            f"{t[name] * 1e3:>8.1f} ms  ÷default {t[name] / t['default']:>5.2f}  "
+            f"÷v1 {t[name] / t['v1']:>5.2f}  ÷secure {t[name] / t['secure']:>5.2f}"
         )
     part = {k: t[k] * blocks / chunk for k in ("keystream", "transform")}
     n = chunk * BLOCK
