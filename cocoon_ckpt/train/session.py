@@ -1,0 +1,368 @@
+"""Your own loop: open a job on a store, take its DP steps one at a time, evaluate or log
+between them, stop when you like.
+
+    with open_job(config, "runs/job.zarr", parts, key_file="noise.key") as job:
+        for step in job.steps():
+            if step.step % 100 == 99:
+                evaluate(job.model)
+
+Opening a store that has versions resumes from the newest valid one (the same checks and
+refusals as `run_job`, all before the first write). Checkpoints follow the config's
+cadence, in the background when `async_checkpoint`; leaving the block writes a final
+version of the step reached, so a loop that stops early loses nothing. Every version
+carries the job records (`train.job_records`), so `inspect`, `audit`, `diff`, `gc` and
+`export_model` read it as they read `run_job`'s. `run_job` is this loop with no body.
+
+What runs between steps is part of the job: a resume continues after the newest
+version's step, so the loop's code must be the same function of the step for the result
+to be bit-identical (code that draws from torch's global generator included; the
+version of step t holds the generators as they are when the loop asks for step t+1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import signal
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch import nn
+
+from cocoon_ckpt.dp import _validate as valid
+from cocoon_ckpt.errors import PreemptedError
+from cocoon_ckpt.keys import load_key
+from cocoon_ckpt.records import JobRecords
+from cocoon_ckpt.train.checkpoint import Checkpointer
+from cocoon_ckpt.train.config import JobConfig
+from cocoon_ckpt.train.distributed import DistContext
+from cocoon_ckpt.train.job_records import job_records
+from cocoon_ckpt.train.parts import JobParts
+from cocoon_ckpt.train.preempt import Preemption
+from cocoon_ckpt.train.resume import prepare_trainer
+from cocoon_ckpt.train.start import failure_to_ranks, start_job
+from cocoon_ckpt.train.trainer import DPTrainer, StepResult
+from state import Manifest, Store, StoreError, Version
+
+__all__ = ["JobSession", "open_job"]
+
+log = logging.getLogger("cocoon_ckpt.train.runner")
+
+Parts = JobParts | Callable[..., JobParts] | None
+
+
+def open_job(
+    config: JobConfig,
+    store_url: str,
+    parts: Parts = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    key_file: str | None = None,
+    takeover: bool = False,
+    allow_fallback: bool = False,
+    allow_generator_change: bool = False,
+    on_precompute: Callable[[int, int], None] | None = None,
+    fs: Any = None,
+) -> JobSession:
+    """Start `config` on the store, or resume it from the store's newest valid version.
+
+    Args:
+        config: the job.
+        store_url: where its versions live (local path or fsspec URL).
+        parts: the model, optimizer, loss and data (`JobParts`), or a builder called as
+            `builder(config)`; None resolves `config.job`. A resume loads the stored
+            state into these parts.
+        storage_options: fsspec options for the URL.
+        key_file: keep the noise key in this file (0600) instead of the store.
+        takeover: take the writer lease even if its holder looks alive.
+        allow_fallback: resume from an older version if the newest is damaged.
+        allow_generator_change: resume although the generator backend differs (I3 lost).
+        on_precompute: called as (rows done, rows in all) while coalesced embedding noise
+            is precomputed (a fresh start only; a resume loads it).
+        fs: an fsspec filesystem to use for the store (fault injection).
+
+    Returns:
+        The open job, holding the writer lease; close it (or use it as a context
+        manager) to write the last version and release the lease.
+
+    Raises:
+        ConfigError: `store_url` is empty.
+        ConfigMismatchError: the store belongs to a job with another configuration.
+        NoiseKeyError: the key is missing, does not match, or its file is readable by
+            group or others.
+        LeaseHeldError: another writer is running.
+        CorruptVersionError: the newest version is damaged and fallback is off.
+        PreemptedError: SIGTERM or SIGINT arrived while the job was being set up.
+
+    Every refusal comes before the first write. In the main thread of a single process,
+    SIGTERM and SIGINT are handled from here until the job closes: during set-up they
+    raise at once; once open, the first is noted and the job stops at the next step
+    (see `JobSession.steps`). Under torchrun every rank opens the job and the signals
+    keep their default handlers (the ranks would have to agree on a step to stop at).
+    """
+    valid.text("store_url", store_url)
+    builder = (lambda _config: parts) if isinstance(parts, JobParts) else parts
+    dist = DistContext.from_env()
+    preempt = Preemption() if dist is None else None
+    with contextlib.ExitStack() as undo:
+        if preempt is not None:
+            undo.enter_context(preempt)
+        store, latest, key, trainer = _start(
+            config,
+            store_url,
+            dist,
+            builder,
+            storage_options=storage_options,
+            key_file=key_file,
+            takeover=takeover,
+            allow_fallback=allow_fallback,
+            allow_generator_change=allow_generator_change,
+            fs=fs,
+        )
+        coordinator = dist is None or dist.is_coordinator
+        if coordinator:
+            undo.callback(store.release_lease)
+        if trainer is None:
+            # In a multi-process job every rank builds its trainer after rank 0's start
+            # (a user's builder may hold collectives), then checks and restores it.
+            resume = (store, latest) if latest is not None else None
+            trainer = prepare_trainer(config, key, builder, dist, allow_generator_change, resume)
+        undo.callback(trainer.close)
+        if latest is not None:
+            log.info(
+                "resuming %s from version %d (step %d)", store.url, latest.version, latest.step
+            )
+        _precompute(trainer, on_precompute)
+        records = job_records(config, trainer, key, key_file)
+        ckpt = Checkpointer(store, async_write=config.async_checkpoint, keep_last=config.keep_last)
+        ckpt.set_parent(latest.manifest if latest else None)
+        session = JobSession(config, store, trainer, ckpt, records, latest, preempt, coordinator)
+        undo.pop_all()  # the session owns the lease, the trainer and the handlers now
+    return session
+
+
+def _start(
+    config: JobConfig,
+    store_url: str,
+    dist: DistContext | None,
+    builder: Callable[..., JobParts] | None,
+    **kw: Any,
+) -> tuple[Store, Version | None, bytes, DPTrainer | None]:
+    """The store (lease held by the coordinator), the version to resume from, the key,
+    and (single process) the trainer, checked and restored."""
+    if dist is not None and not dist.is_coordinator:
+        # wait for the coordinator's lease, key and choice of version
+        status, payload = dist.broadcast_object(None)
+        if status == "error":
+            raise StoreError(f"rank 0 could not start the job: {payload}")
+        opts, fs = kw["storage_options"], kw["fs"]
+        store = Store.open(store_url, storage_options=opts, fs=fs, create=False)
+        latest = store.read(payload) if payload is not None else None
+        return store, latest, load_key(store, kw["key_file"]), None
+    with failure_to_ranks(dist):
+        started = start_job(config, store_url, builder=builder, dist=dist, **kw)
+    if dist is not None:
+        latest = started[1]
+        dist.broadcast_object(("ok", latest.version if latest else None))
+    return started
+
+
+def _precompute(trainer: DPTrainer, on_precompute: Callable[[int, int], None] | None) -> None:
+    """Precompute coalesced embedding noise before step 0 (a resume loaded it)."""
+    emb = trainer.embedding
+    if emb is None or emb.prepared:
+        return
+    total = sum(e.rows - e.plan.hot for e in emb.engines if e.needs_precompute)
+    done = [0]
+
+    def progress(rows: int) -> None:
+        done[0] += rows
+        if on_precompute is not None:
+            on_precompute(done[0], total)
+
+    secs = emb.prepare(progress)
+    log.info("precomputed coalesced embedding noise in %.2f s", secs)
+
+
+class JobSession:
+    """An open job: its trainer, its store (writer lease held) and its checkpoints.
+
+    Made by `open_job`; use it as a context manager. Attributes: `config`, `store`,
+    `trainer` (the `DPTrainer`), `resumed_from` (the step of the version it resumed
+    from, None for a fresh start).
+    """
+
+    def __init__(
+        self,
+        config: JobConfig,
+        store: Store,
+        trainer: DPTrainer,
+        ckpt: Checkpointer,
+        records: JobRecords,
+        latest: Version | None,
+        preempt: Preemption | None,
+        coordinator: bool,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.trainer = trainer
+        self.resumed_from = latest.step if latest is not None else None
+        self._ckpt = ckpt
+        self._records = records
+        self._saved = latest.step if latest is not None else 0
+        self._preempt = preempt
+        self._coordinator = coordinator
+        self._iterator = 0
+        self._closed = False
+        self._stopped = False  # a PreemptedError was raised for the noted signal
+        self._defer = contextlib.ExitStack()
+        if preempt is not None:
+            # from here to close a signal is noted and acted on between steps
+            self._defer.enter_context(preempt.deferring())
+
+    @property
+    def model(self) -> nn.Module:
+        """The model being trained (the one the parts gave, with any resumed state)."""
+        return self.trainer.model
+
+    @property
+    def step(self) -> int:
+        """Steps taken so far (resumed ones included): the next step's index."""
+        return self.trainer.step_index
+
+    @property
+    def done(self) -> bool:
+        """Every step of the config is taken."""
+        return self.trainer.done
+
+    def epsilon(self) -> float:
+        """Epsilon spent so far, at the config's delta (a PLD composition: not free)."""
+        return self.trainer.epsilon()
+
+    def steps(self, until: int | None = None) -> Iterator[StepResult]:
+        """Take the job's steps, yielding each one's result after it is taken.
+
+        Args:
+            until: stop before this step (default: the config's last step); the
+                iterator then ends without writing a version (closing the job does).
+
+        Each checkpoint of the cadence (and the last step's) is written after the loop's
+        body has run for that step. A signal noted since the last step stops the job
+        before the next: the step reached is checkpointed in the foreground and
+        `PreemptedError` is raised (the job's `close` releases the lease). A new call
+        to `steps()` ends any earlier iterator.
+
+        Raises:
+            PreemptedError: SIGTERM or SIGINT was received (single process, main thread).
+            RuntimeError: the job is closed.
+        """
+        if self._closed:
+            raise RuntimeError(f"the job on {self.store.url} is closed; open it again")
+        total = self.config.dp.steps
+        limit = total if until is None else min(until, total)
+        self._iterator += 1
+        return self._run(limit, self._iterator)
+
+    def _run(self, limit: int, me: int) -> Iterator[StepResult]:
+        trainer = self.trainer
+        batches = self._batches(limit)
+        while trainer.step_index < limit:
+            if me != self._iterator or self._closed:
+                raise RuntimeError("this steps() iterator was replaced by a newer one or closed")
+            self._stop_if_preempted()
+            next(batches)
+            res = trainer.train_step()
+            yield res
+            at_end = trainer.step_index == self.config.dp.steps
+            if trainer.step_index % self.config.checkpoint_every == 0 or at_end:
+                self._save()
+
+    def _batches(self, limit: int) -> Iterator[None]:
+        """The batches of steps [step, limit), one per step (`train.data.make_loader`
+        once the trainer takes them; until then it draws each step's batch itself)."""
+        return itertools.repeat(None, limit - self.trainer.step_index)
+
+    def checkpoint(self) -> None:
+        """Write a version of the step reached now (in the background when async),
+        unless the newest version already holds it."""
+        if self._closed:
+            raise RuntimeError(f"the job on {self.store.url} is closed; open it again")
+        if self.trainer.step_index != self._saved:
+            self._save()
+
+    def wait(self) -> Manifest | None:
+        """Block until the checkpoint in flight is committed; the newest version written
+        or resumed from (None before the first). Re-raises a failed background write."""
+        return self._ckpt.wait()
+
+    def _save(self) -> None:
+        step = self.trainer.step_index
+        records: JobRecords = {**self._records, "complete": step == self.config.dp.steps}
+        self._ckpt.save(self.trainer, records)
+        self._saved = step
+
+    def _stop_if_preempted(self) -> None:
+        requested = self._preempt.requested if self._preempt is not None else None
+        if requested is None:
+            return
+        # finish in the foreground: the step is done, its checkpoint committed
+        if self.trainer.step_index != self._saved:
+            self._save()
+        self._stopped = True
+        raise _preempted(requested, self.trainer.step_index, self._ckpt.wait(), self.store.url)
+
+    def close(self, checkpoint: bool = True) -> None:
+        """Write the last version, wait for it, free the trainer, release the lease and
+        restore the signal handlers. Idempotent.
+
+        Args:
+            checkpoint: write a version of the step reached if the newest is older.
+                False loses the steps since the last checkpoint, as a crash would (the
+                job's exit on an exception does this: a step may have stopped halfway).
+
+        Raises:
+            PreemptedError: a signal was noted after the loop's last step and the job is
+                unfinished (after the checkpoint and the lease's release).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            try:
+                if checkpoint and self.trainer.step_index != self._saved:
+                    self._save()
+            finally:
+                self._ckpt.close()  # re-raises a failed background write
+        finally:
+            try:
+                self.trainer.close()  # frees the history's tiers (a far worker)
+            finally:
+                try:
+                    if self._coordinator:
+                        self.store.release_lease()  # even then: this process is done writing
+                finally:
+                    self._defer.close()
+                    if self._preempt is not None:
+                        self._preempt.__exit__(None, None, None)
+        requested = self._preempt.requested if self._preempt is not None else None
+        if checkpoint and requested is not None and not self._stopped and not self.trainer.done:
+            raise _preempted(requested, self.trainer.step_index, self._ckpt.last, self.store.url)
+
+    def __enter__(self) -> JobSession:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(checkpoint=exc_type is None)
+
+
+def _preempted(signum: int, step: int, last: Manifest | None, url: str) -> PreemptedError:
+    name = signal.Signals(signum).name
+    where = f"version {last.version} holds step {step}" if last is not None else "no version"
+    return PreemptedError(
+        f"stopped by {name} after step {step}; {where} in {url} and the writer lease is "
+        "released: rerun the same command to resume",
+        signum=signum,
+        step=step,
+        version=last.version if last is not None else None,
+    )
