@@ -121,3 +121,66 @@ def test_from_state_dict_rebuilds_the_same_epsilon() -> None:
     acc.step(21)
     again = Accountant.from_state_dict(acc.state_dict(with_epsilon=False))
     assert again.steps == 21 and again.epsilon() == acc.epsilon()
+
+
+@pytest.mark.parametrize(
+    ("sigma", "q", "interval"),
+    [(1.0, 0.125, 1e-4), (0.6, 0.01, 1e-4), (2.5, 0.5, 1e-3), (0.35, 0.3, 1e-2), (1.3, 1.0, 1e-3)],
+)
+def test_one_round_pld_is_dp_accountings(sigma: float, q: float, interval: float) -> None:
+    # The grid-at-once build is dp-accounting's from_gaussian_mechanism, float for float
+    # (dense and sparse pmfs, q = 1 included).
+    from dp_accounting.pld import privacy_loss_distribution as pld_dist
+
+    from cocoon_ckpt.dp import pld_gaussian
+
+    assert pld_gaussian._agrees()
+    fast = pld_gaussian._build(sigma, q, interval, fast=True)
+    want = pld_dist.from_gaussian_mechanism(
+        standard_deviation=sigma, value_discretization_interval=interval, sampling_prob=q
+    )
+    assert pld_gaussian._same(fast, want)
+    assert pld_gaussian._same(pld_gaussian.subsampled_gaussian(sigma, q, interval), want)
+
+
+@pytest.mark.parametrize(
+    ("sigma", "n_data", "batch", "bands", "counts", "delta"),
+    [
+        (0.7, 4_000, 25, 2, [1, 9, 50], 1e-5),
+        (1.0, 2_048, 32, 8, [5, 6], 1e-7),
+        (3.0, 1_797, 64, 4, [3, 20], 1e-5),
+        (1.5, 100_000, 500, 16, [2, 120], 1e-6),
+    ],
+)
+def test_compiled_composition_equals_direct_composition(
+    sigma: float, n_data: int, batch: int, bands: int, counts: list[int], delta: float
+) -> None:
+    # The compiled epsilon loop and tail truncation (checked against dp-accounting's
+    # Python loops once per process) give PLDAccountant's epsilon exactly, count by count.
+    from cocoon_ckpt.dp import _pld_kernels
+
+    assert _pld_kernels.agree()
+    q = batch * bands / n_data
+    for count in counts:
+        got = epsilon(sigma, n_data, batch, count * bands, bands, delta)
+        assert got == _direct(sigma, q, count, delta)
+
+
+# noise_multiplier_for's answers before the compiled composition (2026-12-03, bench/
+# accounting.py): the faster search must return the same sigma to 1e-4.
+_CALIBRATED_BEFORE = [
+    ((4.0, 10_000, 100, 400, 4), 0.85602),
+    ((8.0, 2048, 32, 300, 8), 0.83616),
+    ((1.0, 60_000, 256, 1000, 1), 0.88260),
+]
+
+
+@pytest.mark.parametrize(("args", "before"), _CALIBRATED_BEFORE)
+def test_noise_multiplier_for_meets_target_exactly_and_matches_before(
+    args: tuple[float, int, int, int, int], before: float
+) -> None:
+    target, n_data, batch, steps, bands = args
+    sigma = noise_multiplier_for(target, n_data, batch, steps, bands, 1e-5)
+    assert epsilon(sigma, n_data, batch, steps, bands, 1e-5) <= target
+    assert _direct(sigma, batch * bands / n_data, math.ceil(steps / bands), 1e-5) <= target
+    assert sigma == pytest.approx(before, rel=1e-4)
