@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # the names as static tools see them
     from cocoon_ckpt.train.config import DPConfig, JobConfig
     from cocoon_ckpt.train.parts import JobParts
     from cocoon_ckpt.train.runner import RunResult, run_job
+    from cocoon_ckpt.train.session import JobSession, open_job
     from cocoon_ckpt.train.trainer import DPTrainer, StepResult
 
 # Names load on first use (PEP 562): `cocoon-ckpt inspect` and the other store-only
@@ -51,6 +52,7 @@ _LAZY = {
     "GeneratorMismatchError": "errors",
     "JobConfig": "train.config",
     "JobParts": "train.parts",
+    "JobSession": "train.session",
     "KeyedNoise": "dp.noise",
     "MechanismKind": "dp.mechanism",
     "NoiseKeyError": "errors",
@@ -62,6 +64,7 @@ _LAZY = {
     "epsilon": "dp.accountant",
     "export_model": "tools.export",
     "noise_multiplier_for": "dp.accountant",
+    "open_job": "train.session",
     "run_job": "train.runner",
 }
 
@@ -85,6 +88,7 @@ __all__ = [
     "GeneratorMismatchError",
     "JobConfig",
     "JobParts",
+    "JobSession",
     "KeyedNoise",
     "MechanismKind",
     "NoiseKeyError",
@@ -96,5 +100,6 @@ __all__ = [
     "epsilon",
     "export_model",
     "noise_multiplier_for",
+    "open_job",
     "run_job",
 ]
