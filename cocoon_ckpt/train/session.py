@@ -25,7 +25,7 @@ import contextlib
 import itertools
 import logging
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 from torch import nn
@@ -213,7 +213,7 @@ class JobSession:
         self._saved = latest.step if latest is not None else 0
         self._preempt = preempt
         self._coordinator = coordinator
-        self._iterator = 0
+        self._active: Generator[StepResult, None, None] | None = None
         self._closed = False
         self._stopped = False  # a PreemptedError was raised for the noted signal
         self._defer = contextlib.ExitStack()
@@ -251,7 +251,7 @@ class JobSession:
         body has run for that step. A signal noted since the last step stops the job
         before the next: the step reached is checkpointed in the foreground and
         `PreemptedError` is raised (the job's `close` releases the lease). A new call
-        to `steps()` ends any earlier iterator.
+        to `steps()` ends the earlier iterator (it stops yielding).
 
         Raises:
             PreemptedError: SIGTERM or SIGINT was received (single process, main thread).
@@ -261,15 +261,15 @@ class JobSession:
             raise RuntimeError(f"the job on {self.store.url} is closed; open it again")
         total = self.config.dp.steps
         limit = total if until is None else min(until, total)
-        self._iterator += 1
-        return self._run(limit, self._iterator)
+        if self._active is not None:
+            self._active.close()  # its loader (and any workers) goes now
+        self._active = self._run(limit)
+        return self._active
 
-    def _run(self, limit: int, me: int) -> Iterator[StepResult]:
+    def _run(self, limit: int) -> Generator[StepResult, None, None]:
         trainer = self.trainer
         batches = self._batches(limit)
         while trainer.step_index < limit:
-            if me != self._iterator or self._closed:
-                raise RuntimeError("this steps() iterator was replaced by a newer one or closed")
             self._stop_if_preempted()
             next(batches)
             res = trainer.train_step()
@@ -328,6 +328,8 @@ class JobSession:
         if self._closed:
             return
         self._closed = True
+        if self._active is not None:
+            self._active.close()
         try:
             try:
                 if checkpoint and self.trainer.step_index != self._saved:
