@@ -9,26 +9,86 @@ dp-accounting used directly, side by side in one process.
    fresh process) against a fresh `PLDAccountant` composing the event at each
    checkpoint (what the engine did before). The values must be equal; the script says
    so. Defaults: the mlp example's privacy settings.
-2. `noise_multiplier_for` for a few targets against dp-accounting's
+2. The accounting a `--steps` job pays checkpointing every `--every` steps against
+   checkpointing once (epsilon at each checkpoint plus the final report, fresh caches),
+   for this engine and for the one before 2026-12-03 (dp-accounting's own one-round
+   build and epsilon loop, emulated in this process); the extra seconds are what the
+   cadence adds to the job's wall time (a writer computes them, the GIL mostly free).
+3. `noise_multiplier_for` for a few targets against dp-accounting's
    `calibrate_dp_mechanism` on the reported grid (the engine's search before), with the
-   epsilon each answer gets under the reported accounting.
+   epsilon each answer gets under the reported accounting, and the same search on the
+   engine before 2026-12-03.
+4. `--job N`: the real mlp example (`python -m cocoon_ckpt._cli.main train --example mlp`)
+   at both cadences, N alternating pairs of whole processes, wall and cpu ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
 
 import dp_accounting
 from dp_accounting import pld
 
-from cocoon_ckpt.dp import accountant
+from cocoon_ckpt.dp import _pld_kernels, accountant, pld_composition, pld_gaussian
 from cocoon_ckpt.dp.accountant import dp_event, epsilon, noise_multiplier_for
 
 
 def _clear() -> None:
     accountant.clear_caches()
+
+
+@contextlib.contextmanager
+def _engine_before() -> Iterator[None]:
+    """The cached composition as it was before 2026-12-03: dp-accounting's one-round
+    build (a Python call per grid point) and its compose-and-epsilon (Python loops)."""
+    module, one_round = vars(pld_composition), pld_composition.OneRound
+    build, eps = module["subsampled_gaussian"], one_round.epsilon
+    module["subsampled_gaussian"] = lambda s, q, d: pld_gaussian._build(s, q, d, False)
+    one_round.epsilon = one_round._epsilon_by_accountant  # type: ignore[method-assign]
+    _clear()
+    try:
+        yield
+    finally:
+        module["subsampled_gaussian"] = build
+        one_round.epsilon = eps  # type: ignore[method-assign]
+        _clear()
+
+
+def _cadence_cost(
+    args: tuple[float, int, int], steps: int, every: int, bands: int, delta: float
+) -> float:
+    """Seconds of accounting a job pays: epsilon at each checkpoint, then the final
+    report (a fresh process: caches cleared)."""
+    _clear()
+    t = time.perf_counter()
+    for s in [*range(every, steps + 1, every), steps]:
+        epsilon(*args, s, bands, delta)
+    return time.perf_counter() - t
+
+
+def _job(every: int, steps: int, store: str) -> tuple[float, float]:
+    """(wall s, cpu s) of one whole `train --example mlp` process."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-m", "cocoon_ckpt._cli.main", "train", "--example", "mlp",
+         "--steps", str(steps), "--checkpoint-every", str(every), "--store", store],
+        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu
 
 
 def _direct(sigma: float, n: int, batch: int, steps: int, bands: int, delta: float) -> float:
@@ -60,7 +120,12 @@ def main() -> None:
     p.add_argument("--sigma", type=float, default=1.0)
     p.add_argument("--delta", type=float, default=1e-5)
     p.add_argument("--no-calibrate-baseline", action="store_true")
+    p.add_argument("--job", type=int, default=0, help="pairs of real mlp jobs (0: none)")
     a = p.parse_args()
+    # One-time costs of a process (numba's cached kernels, the per-process self-checks)
+    # are paid here, not by the first timed epsilon.
+    _pld_kernels.agree()
+    pld_gaussian._agrees()
     cps = list(range(a.every, a.steps + 1, a.every))
     args = (a.sigma, a.dataset, a.batch)
     print(
@@ -90,9 +155,19 @@ def main() -> None:
     print(f"epsilon once at the end (a fresh process's cost): {time.perf_counter() - t:.2f} s")
     del last
 
+    print(f"accounting of the whole job, every {a.every} steps vs once (fresh caches):")
+    for name, ctx in (("now", contextlib.nullcontext()), ("before", _engine_before())):
+        with ctx:
+            often = _cadence_cost(args, a.steps, a.every, a.bands, a.delta)
+            once = _cadence_cost(args, a.steps, a.steps, a.bands, a.delta)
+        print(
+            f"  {name:>6}: every {a.every} {often:.2f} s, once {once:.2f} s, the cadence "
+            f"adds {often - once:.2f} s"
+        )
+
     print(
         f"{'target':>6} {'N':>6} {'B':>4} {'n':>5} {'b':>3} {'ours s':>7} {'sigma':>9} "
-        f"{'eps':>8} {'calibrate s':>11} {'sigma':>9} {'ratio':>6}"
+        f"{'eps':>8} {'before s':>8} {'sigma':>9} {'calibrate s':>11} {'sigma':>9} {'ratio':>6}"
     )
     for target, n, batch, steps, bands in [
         (4.0, 10_000, 100, 400, 4),
@@ -104,6 +179,10 @@ def main() -> None:
         sigma = noise_multiplier_for(target, n, batch, steps, bands, a.delta)
         t_nm = time.perf_counter() - t
         eps = epsilon(sigma, n, batch, steps, bands, a.delta)
+        with _engine_before():
+            t = time.perf_counter()
+            s_before = noise_multiplier_for(target, n, batch, steps, bands, a.delta)
+            t_before = time.perf_counter() - t
         if a.no_calibrate_baseline:
             base = "-"
         else:
@@ -113,7 +192,25 @@ def main() -> None:
             base = f"{t_cal:>11.2f} {s_cal:>9.5f} {t_cal / t_nm:>6.1f}"
         print(
             f"{target:>6} {n:>6} {batch:>4} {steps:>5} {bands:>3} {t_nm:>7.2f} {sigma:>9.5f} "
-            f"{eps:>8.5f} {base}"
+            f"{eps:>8.5f} {t_before:>8.2f} {s_before:>9.5f} {base}"
+        )
+
+    if a.job:
+        walls: dict[int, list[float]] = {a.every: [], a.steps: []}
+        cpus: dict[int, list[float]] = {a.every: [], a.steps: []}
+        with tempfile.TemporaryDirectory() as tmp:
+            for i in range(a.job):
+                for every in (a.every, a.steps) if i % 2 == 0 else (a.steps, a.every):
+                    wall, cpu = _job(every, a.steps, os.path.join(tmp, f"{i}-{every}.zarr"))
+                    walls[every].append(wall)
+                    cpus[every].append(cpu)
+        ratios = [x / y for x, y in zip(walls[a.every], walls[a.steps], strict=True)]
+        cpu_ratio = statistics.median(cpus[a.every]) / statistics.median(cpus[a.steps])
+        print(
+            f"mlp job, {a.steps} steps, every {a.every} / once, {a.job} pairs: wall "
+            f"{statistics.median(ratios):.2f}x median ({min(ratios):.2f}-{max(ratios):.2f}x; "
+            f"{statistics.median(walls[a.every]):.1f} s vs {statistics.median(walls[a.steps]):.1f} s), "
+            f"cpu {cpu_ratio:.2f}x"
         )
 
 

@@ -68,8 +68,10 @@ def noise_multiplier_for(
     above the reported one (measured: the sigma found is within 0.2% of the reported
     accounting's own smallest sigma); the answer is then checked with the reported
     accounting (`epsilon`) and raised by 0.1% steps until it meets the target, so
-    `epsilon(noise_multiplier_for(e, ...), ...) <= e` always holds. About 1-2 s where
-    dp-accounting's calibration on the fine grid took 10-30 s.
+    `epsilon(noise_multiplier_for(e, ...), ...) <= e` always holds. About 1 s on
+    bench/accounting.py's targets (each trial's one-round PLD built grid-at-once, its
+    epsilon loop compiled: `cocoon_ckpt.dp.pld_composition`), where dp-accounting's
+    calibration on the fine grid took 10-30 s.
 
     Raises:
         ValueError: an argument is out of range.
