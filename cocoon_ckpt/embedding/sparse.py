@@ -125,6 +125,6 @@ def sum_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unique rows and their summed clipped gradients (k,), (k, dim)."""
     uniq, inv = torch.unique(ids, return_inverse=True)
-    out = torch.zeros(uniq.numel(), grads.shape[-1], dtype=grads.dtype)
+    out = torch.zeros(uniq.numel(), grads.shape[-1], dtype=grads.dtype, device=grads.device)
     out.index_add_(0, inv, grads * scale.to(grads.dtype)[:, None])
     return uniq, out
