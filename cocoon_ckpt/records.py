@@ -19,21 +19,26 @@ from typing import Any, Literal, NotRequired, TypeAlias, TypedDict
 __all__ = [
     "AccountantRecord",
     "CscRecord",
+    "DatasetIdentity",
     "EmbeddingRecord",
     "GeneratorRecord",
+    "IdentityRecord",
     "JobRecords",
     "MechanismRecord",
     "ModelShapes",
     "NoiseRecord",
     "NumpyRngRecord",
+    "OptimizerIdentity",
     "OptimizerRecord",
     "OptimizerValue",
+    "PartStateRecord",
     "PlacementRecord",
     "PythonRngRecord",
     "RankShard",
     "RingSlot",
     "RngRecord",
     "SamplerRecord",
+    "SchedulerIdentity",
     "ShardRecord",
     "SnapshotRecords",
     "TablePlanRecord",
@@ -230,6 +235,43 @@ class EmbeddingRecord(TypedDict):
     tables: list[TableRecord]
 
 
+#: The optimizer a job built: its qualified class name and every param_group
+#: hyperparameter as built (`params`: how many parameters the group holds).
+OptimizerIdentity = TypedDict(
+    "OptimizerIdentity", {"class": str, "param_groups": list[dict[str, Any]]}
+)
+
+#: The LR scheduler a job built: its qualified class name and initial `state_dict()`.
+SchedulerIdentity = TypedDict("SchedulerIdentity", {"class": str, "state": Any})
+
+
+class DatasetIdentity(TypedDict):
+    """The training set: `len(dataset)` and a digest of a seeded sample of examples."""
+
+    size: int
+    digest: str
+    """sha256 over 16 examples a seeded draw picks (dtypes, shapes and bytes)."""
+
+
+class IdentityRecord(TypedDict):
+    """`identity`: what a job's real objects are, taken when it was built
+    (`train.identity`); a resume refuses any difference."""
+
+    optimizer: OptimizerIdentity
+    scheduler: SchedulerIdentity | None
+    """None: the job has no scheduler."""
+    dataset: DatasetIdentity
+
+
+class PartStateRecord(TypedDict):
+    """A part's state dict with its tensors moved to arrays (`train.part_state` grammar)."""
+
+    kind: str
+    """The part's qualified class name (a resume refuses another)."""
+    state: Any
+    """The tagged state (tensors as `{"tensor": array name}`)."""
+
+
 class SnapshotRecords(TypedDict):
     """The records a snapshot of the trainer's state writes (the codec's output)."""
 
@@ -244,6 +286,12 @@ class SnapshotRecords(TypedDict):
     param_names: list[str]
     """The dense parameters in noise-vector order."""
     embedding: NotRequired[EmbeddingRecord]
+    identity: NotRequired[IdentityRecord]
+    """Absent from stores written before real-object fingerprints."""
+    scheduler: NotRequired[PartStateRecord | None]
+    """The LR scheduler's state (None: the job has none)."""
+    stateful: NotRequired[dict[str, PartStateRecord]]
+    """The job's other state (`JobParts.stateful`), by name."""
 
 
 class JobRecords(TypedDict):

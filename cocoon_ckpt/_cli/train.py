@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from cocoon_ckpt._cli.args import add_json, add_storage_options, storage_options
 from cocoon_ckpt._cli.train_config import field_default, flag_default, train_config
 from cocoon_ckpt.dp.mechanism import MechanismKind
-from cocoon_ckpt.train.config import JobConfig
+from cocoon_ckpt.train.config import NOISE_RNGS, OPTIMIZERS, JobConfig
 
 if TYPE_CHECKING:
     from cocoon_ckpt._cli.args import Subparsers
@@ -67,6 +67,13 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument("--bands", type=int, help=f"BandMF bands b; 1 = DP-SGD {_default('bands')}")
     p.add_argument("--batch-size", type=int, help=f"expected batch size B {_default('batch_size')}")
     p.add_argument(
+        "--physical-batch-size",
+        type=int,
+        help="most examples whose per-sample gradients are taken at once (peak memory "
+        "follows it; None: the whole batch at once); part of the fingerprint "
+        f"{_default('physical_batch_size')}",
+    )
+    p.add_argument(
         "--dataset-size",
         type=int,
         help=f"examples N in the synthetic dataset {_default('dataset_size')}",
@@ -83,8 +90,20 @@ def add_parser(sub: Subparsers) -> None:
         choices=[m.value for m in MechanismKind if m is not MechanismKind.CUSTOM],
         help=f"band coefficients {_default('mechanism')}",
     )
+    p.add_argument(
+        "--noise-rng",
+        choices=NOISE_RNGS,
+        help="generator of the fresh noise: numpy SFC64, or ChaCha20 (secure, needs the "
+        f"cryptography package) {_default('noise_rng')}",
+    )
     p.add_argument("--lr", type=float, help=f"learning rate {_default('lr')}")
-    p.add_argument("--optimizer", choices=["sgd", "adam"], help=_default("optimizer"))
+    p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        metavar="NAME",
+        help=f"a torch.optim optimizer in lower case (sgd, adam, adamw, ...), or custom for "
+        f"a job's own class {_default('optimizer')}",
+    )
     p.add_argument(
         "--key-file",
         default=None,

@@ -36,6 +36,8 @@ JOB_FLAGS: dict[str, str] = {
     "delta": "dp.delta",
     "mechanism": "dp.mechanism",
     "seed": "dp.seed",
+    "physical_batch_size": "dp.physical_batch_size",
+    "noise_rng": "dp.noise_rng",
     "lr": "lr",
     "optimizer": "optimizer",
 }

@@ -11,6 +11,7 @@ from cocoon_ckpt.layout import THREAT_MODEL_DEFAULT
 from cocoon_ckpt.records import ModelShapes
 from cocoon_ckpt.train.config import JobConfig
 from cocoon_ckpt.train.distributed import DistContext
+from cocoon_ckpt.train.identity import check_config_optimizer
 from cocoon_ckpt.train.parts import JobParts, resolve
 from cocoon_ckpt.train.trainer import DPTrainer
 
@@ -28,6 +29,8 @@ def build_trainer(
 
     Raises:
         ValueError: the builder does not take (config) or does not return JobParts.
+        ConfigError: the job's optimizer is not the one `config.optimizer`/`lr` name,
+            or its dataset's size is not `config.dp.dataset_size`.
     """
     build = builder or resolve(config.job)
     try:
@@ -44,14 +47,17 @@ def build_trainer(
         raise ValueError(
             f"job {config.job!r}: the builder returned {type(parts).__name__}, not JobParts"
         )
+    check_config_optimizer(parts.optimizer, config.optimizer, config.lr, parts.scheduler)
     emb = config.embedding
     if emb is not None and not emb.tables:
         emb = dataclasses.replace(emb, tables=tuple(parts.tables))
+    if parts.dataset is None:  # JobParts sets it; keeps the type exact
+        raise ValueError(f"job {config.job!r}: JobParts has no dataset")
     return DPTrainer(
         parts.model,
         parts.optimizer,
         parts.loss_fn,
-        parts.data,
+        parts.dataset,
         config.dp,
         key,
         tiers=config.tiers,
@@ -59,6 +65,11 @@ def build_trainer(
         table_plans=table_plans,
         dist=dist,
         overlap_noise=config.overlap_noise,
+        scheduler=parts.scheduler,
+        stateful=parts.stateful,
+        num_workers=parts.num_workers,
+        pin_memory=parts.pin_memory,
+        collate_fn=parts.collate_fn,
     )
 
 

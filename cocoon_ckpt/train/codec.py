@@ -28,6 +28,7 @@ from cocoon_ckpt.records import (
     NoiseRecord,
     OptimizerRecord,
     OptimizerValue,
+    PartStateRecord,
     RankShard,
     RingSlot,
     RngRecord,
@@ -36,8 +37,9 @@ from cocoon_ckpt.records import (
     SnapshotRecords,
     TableRecord,
 )
+from cocoon_ckpt.train.part_state import decode_part_state, encode_part_state
 from cocoon_ckpt.train.stored import model_state, records_of
-from cocoon_ckpt.train.trainer_state import TRAINER_SCHEMA, TableArrays, TrainerState
+from cocoon_ckpt.train.trainer_state import TRAINER_SCHEMA, PartState, TableArrays, TrainerState
 from state import ArrayMeta, Manifest, Version
 
 __all__ = [
@@ -216,8 +218,32 @@ def encode(state: TrainerState, parent: Manifest | None, *, shard_only: bool = F
     }
     if state["embedding"] is not None:
         records["embedding"] = _tables(state, parent, snap)
+    if state["identity"] is not None:
+        records["identity"] = state["identity"]
+    _parts(state, records, snap)
     snap.records = dict(records)
     return snap
+
+
+def _part(part: PartState, prefix: str, snap: Snapshot) -> PartStateRecord:
+    try:
+        return {
+            "kind": part["kind"],
+            "state": encode_part_state(part["state"], prefix, snap.arrays),
+        }
+    except TypeError as exc:
+        raise TypeError(f"{part['kind']}.state_dict(): {exc}") from None
+
+
+def _parts(state: TrainerState, records: SnapshotRecords, snap: Snapshot) -> None:
+    """The scheduler's and stateful parts' records, their tensors as arrays (written
+    only where the job has them: other versions are as before)."""
+    if state["scheduler"] is not None:
+        records["scheduler"] = _part(state["scheduler"], "scheduler", snap)
+    if state["stateful"]:
+        records["stateful"] = {
+            name: _part(part, f"stateful/{name}", snap) for name, part in state["stateful"].items()
+        }
 
 
 # -- decode -------------------------------------------------------------------------
@@ -354,4 +380,21 @@ def decode(version: Version, like: TrainerState) -> TrainerState:
         },
         "embedding": embedding,
         "embedding_tables": tables,
+        "identity": rec.get("identity"),
+        "scheduler": _decode_part(rec.get("scheduler"), version),
+        "stateful": {
+            name: part
+            for name, r in rec.get("stateful", {}).items()
+            if (part := _decode_part(r, version)) is not None
+        },
     }
+
+
+def _decode_part(rec: PartStateRecord | None, version: Version) -> PartState | None:
+    if rec is None:
+        return None
+    try:
+        state = decode_part_state(rec["state"], version.array)
+    except ValueError as exc:
+        raise TypeError(f"{rec['kind']} state: {exc}") from None
+    return {"kind": rec["kind"], "state": state}

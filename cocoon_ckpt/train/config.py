@@ -6,7 +6,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from cocoon_ckpt.dp import _validate as valid
 from cocoon_ckpt.dp.mechanism import MechanismKind
@@ -14,8 +14,13 @@ from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.errors import ConfigError, ConfigMismatchError
 from cocoon_ckpt.tiers.config import TierConfig
 
+if TYPE_CHECKING:
+    from cocoon_ckpt.dp.generator import NoiseRng
+
 __all__ = [
     "HARMLESS_FIELDS",
+    "NOISE_RNGS",
+    "OPTIMIZERS",
     "DPConfig",
     "JobConfig",
     "config_differences",
@@ -40,6 +45,30 @@ HARMLESS_FIELDS = frozenset(
 _MECHANISMS = tuple(m.value for m in MechanismKind)
 _LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "NOTSET")
 
+#: `JobConfig.optimizer`'s values: the torch.optim optimizers by class name in lower case
+#: (spelled out: the config is read without importing torch), and `custom` for a class
+#: of the job's own.
+OPTIMIZERS = (
+    "adadelta",
+    "adafactor",
+    "adagrad",
+    "adam",
+    "adamax",
+    "adamw",
+    "asgd",
+    "lbfgs",
+    "muon",
+    "nadam",
+    "radam",
+    "rmsprop",
+    "rprop",
+    "sgd",
+    "sparseadam",
+    "custom",
+)
+#: `NoiseRng`'s values (dp.generator imports torch; the config is read without it).
+NOISE_RNGS = ("default", "secure")
+
 #: Whole sections a resume may change: where the history lives never changes the noise.
 HARMLESS_SECTIONS = frozenset({"tiers"})
 
@@ -62,10 +91,18 @@ class DPConfig:
     """b, BandMF bands (1 = DP-SGD)."""
     delta: float = 1e-5
     """Target delta of the reported epsilon."""
-    mechanism: MechanismKind = MechanismKind.BANDED_SQRT
-    """How the band coefficients are chosen."""
+    mechanism: MechanismKind = MechanismKind.OPTIMIZED
+    """How the band coefficients are chosen (`optimized`: the least expected error for
+    these bands and steps; banded_sqrt's is 6-34% higher for b in 2..64)."""
     seed: int = 0
     """Sampler and model-initialisation seed (not the noise key, which is secret)."""
+    physical_batch_size: int | None = None
+    """Most examples whose per-sample gradients are taken at once (peak memory follows
+    it, not the Poisson batch); None: the whole batch at once. The sums of different
+    chunk sizes differ in the last bits, so it is part of the fingerprint."""
+    noise_rng: NoiseRng | str = "default"
+    """Which generator draws the fresh noise (`cocoon_ckpt.dp.generator.NoiseRng`, or
+    its value): `default` (numpy SFC64) or `secure` (ChaCha20). Kept as its value."""
 
     def __post_init__(self) -> None:
         valid.integer("DPConfig.steps", self.steps, 1, valid.MAX_STEPS)
@@ -94,10 +131,17 @@ class DPConfig:
             f"be one of {_MECHANISMS}",
         )
         object.__setattr__(self, "mechanism", MechanismKind(self.mechanism))
+        if self.physical_batch_size is not None:
+            valid.integer(
+                "DPConfig.physical_batch_size", self.physical_batch_size, 1, valid.MAX_COUNT
+            )
+        valid.text("DPConfig.noise_rng", self.noise_rng, NOISE_RNGS)
+        object.__setattr__(self, "noise_rng", str(self.noise_rng))
 
     def to_record(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["mechanism"] = self.mechanism.value
+        d["noise_rng"] = str(self.noise_rng)
         return d
 
     @classmethod
@@ -115,9 +159,13 @@ class JobConfig:
     dp: DPConfig
     """The privacy configuration."""
     lr: float = 0.1
-    """Learning rate."""
+    """Learning rate of the job's optimizer (its first param group's, before any
+    scheduler step). The job must build its optimizer with it: a job whose optimizer
+    runs another is refused at build, so the recorded config says what ran."""
     optimizer: str = "sgd"
-    """`sgd` or `adam`."""
+    """The job's optimizer: a `torch.optim` class name in lower case (`sgd`, `adam`,
+    `adamw`, ...; `OPTIMIZERS`), or `custom` for a class of the job's own (its class and
+    hyperparameters are recorded from the object). Checked like `lr`."""
     options: dict[str, Any] = field(default_factory=dict)
     """Job-specific options (model sizes, ...); part of the fingerprint."""
     checkpoint_every: int = 10
@@ -152,7 +200,7 @@ class JobConfig:
         )
         valid.check(isinstance(self.dp, DPConfig), "JobConfig.dp", self.dp, "be a DPConfig")
         valid.positive_real("JobConfig.lr", self.lr)
-        valid.text("JobConfig.optimizer", self.optimizer, ("sgd", "adam"))
+        valid.text("JobConfig.optimizer", self.optimizer, OPTIMIZERS)
         valid.check(
             isinstance(self.options, dict) and all(isinstance(k, str) for k in self.options),
             "JobConfig.options",
@@ -263,8 +311,10 @@ def _flat(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-#: Sections added after the first release: absent from older records, the same as None.
-_OPTIONAL_SECTIONS = frozenset({"embedding"})
+#: Sections and fields added after the first release, with the value their absence from
+#: an older record means: at that value they are left out, so older stores keep their
+#: fingerprints and resume.
+_ADDED = {"embedding": None, "dp.physical_batch_size": None, "dp.noise_rng": "default"}
 
 
 def _relevant(record: dict[str, Any]) -> dict[str, Any]:
@@ -273,14 +323,27 @@ def _relevant(record: dict[str, Any]) -> dict[str, Any]:
         for k, v in _flat(record).items()
         if k.split(".")[-1] not in HARMLESS_FIELDS
         and k.split(".")[0] not in HARMLESS_SECTIONS
-        and not (k in _OPTIONAL_SECTIONS and v is None)
+        and not (k in _ADDED and v == _ADDED[k])
     }
 
 
-def fingerprint(record: dict[str, Any], model_shapes: dict[str, list[int]]) -> str:
-    """sha256 over the fields that change the noise or the parameters, and the shapes."""
-    doc = {"config": _relevant(record), "model_shapes": model_shapes}
+def fingerprint(
+    record: dict[str, Any],
+    model_shapes: dict[str, list[int]],
+    identity: dict[str, Any] | None = None,
+) -> str:
+    """sha256 over the fields that change the noise or the parameters, the shapes, and
+    (given) the job's identity from its real objects (`train.identity`: optimizer,
+    scheduler, dataset); without it, the fingerprint of stores written before it."""
+    doc: dict[str, Any] = {"config": _relevant(record), "model_shapes": model_shapes}
+    if identity is not None:
+        doc["identity"] = identity
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def _shown(relevant: dict[str, Any], k: str) -> Any:
+    """A field's value in a difference: an added field left out means its default."""
+    return relevant.get(k, _ADDED[k] if k in _ADDED else "<absent>")
 
 
 def config_differences(
@@ -292,7 +355,7 @@ def config_differences(
     """One line per noise- or result-affecting difference between two config records."""
     a, b = _relevant(stored), _relevant(now)
     diffs = [
-        f"{k}: stored {a.get(k, '<absent>')!r}, now {b.get(k, '<absent>')!r}"
+        f"{k}: stored {_shown(a, k)!r}, now {_shown(b, k)!r}"
         for k in sorted(set(a) | set(b))
         if a.get(k) != b.get(k)
     ]

@@ -3,29 +3,95 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from cocoon_ckpt.embedding.config import TableSpec
+from cocoon_ckpt.errors import ConfigError
 
-__all__ = ["JobParts", "resolve"]
+__all__ = ["JobParts", "Stateful", "make_optimizer", "resolve"]
+
+_STATEFUL_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything whose state a checkpoint carries: EMA weights, a GradScaler, counters."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any, /) -> Any: ...
 
 
 @dataclass(frozen=True, slots=True)
 class JobParts:
-    """What a job builder returns: the model, its optimizer, loss and training data."""
+    """What a job builder returns: the model, its optimizer, loss and training data.
+
+    `dataset` is the data's name; `data` is kept as its alias (builders written before
+    Datasets were accepted): give one of them.
+    """
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    data: Sequence[torch.Tensor]
-    """Tensors indexed by example along dim 0; the last is the target."""
+    data: Dataset[Any] | Sequence[torch.Tensor] | None = None
+    """Alias of `dataset`."""
     tables: Sequence[TableSpec] = field(default_factory=tuple)
     """The model's embedding tables and where their ids are; used when the job config
     asks for embedding noise without naming tables."""
+    dataset: Dataset[Any] | Sequence[torch.Tensor] | None = None
+    """A map-style Dataset whose items are tuples (the last element is the target), or
+    tensors indexed by example along dim 0 (the last is the target). Its `len()` is N."""
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    """A learning-rate scheduler of `optimizer`, stepped once per DP step after the
+    optimizer's step; its state is in every version."""
+    stateful: Mapping[str, Stateful] = field(default_factory=dict)
+    """Other state to checkpoint (EMA weights, a GradScaler, counters), by name (letters,
+    digits, `_.-`): each `state_dict()` is saved in every version and loaded on resume.
+    Tensors are stored as arrays, the rest as JSON."""
+    num_workers: int = 0
+    """DataLoader worker processes (batches are the same with any number)."""
+    pin_memory: bool = False
+    """Pin each batch's tensors (for a copy to an accelerator)."""
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    """Turns a list of Dataset items into a tuple of tensors (default_collate if None)."""
+
+    def __post_init__(self) -> None:
+        # both equal: dataclasses.replace passes both fields on
+        given = {id(d): d for d in (self.data, self.dataset) if d is not None}
+        if len(given) != 1:
+            raise ConfigError(
+                "JobParts: give the training data as dataset= (data= is its old name), "
+                f"exactly once; got data={type(self.data).__name__}, "
+                f"dataset={type(self.dataset).__name__}"
+            )
+        (data,) = given.values()
+        object.__setattr__(self, "dataset", data)
+        object.__setattr__(self, "data", data)
+        sched = self.scheduler
+        if sched is not None and getattr(sched, "optimizer", None) is not self.optimizer:
+            raise ConfigError(
+                f"JobParts.scheduler {type(sched).__name__} does not schedule "
+                "JobParts.optimizer: build it over the job's optimizer"
+            )
+        for name, part in self.stateful.items():
+            if not isinstance(name, str) or not _STATEFUL_NAME.fullmatch(name):
+                raise ConfigError(
+                    f"JobParts.stateful name {name!r} must be letters, digits, '_', '.' or '-'"
+                )
+            if not isinstance(part, Stateful):
+                raise ConfigError(
+                    f"JobParts.stateful[{name!r}] is a {type(part).__name__}, which has no "
+                    "state_dict()/load_state_dict(): wrap it in an object that has both"
+                )
+        if self.num_workers < 0:
+            raise ConfigError(f"JobParts.num_workers={self.num_workers} must be >= 0")
 
 
 Builder = Callable[..., JobParts]
@@ -56,7 +122,23 @@ def resolve(job: str) -> Builder:
 
 
 def make_optimizer(name: str, params: Sequence[nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    """`sgd` or `adam` over `params`."""
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    return torch.optim.SGD(params, lr=lr)
+    """The `torch.optim` optimizer named `name` in lower case (`sgd`, `adam`, ...;
+    `JobConfig.optimizer`) over `params`, with learning rate `lr` and its other defaults.
+
+    Raises:
+        ConfigError: torch.optim has no optimizer of that name (`custom` included: a
+            job's own class is built by the job).
+    """
+    classes = {
+        n.lower(): c
+        for n, c in vars(torch.optim).items()
+        if isinstance(c, type)
+        and issubclass(c, torch.optim.Optimizer)
+        and c is not torch.optim.Optimizer
+    }
+    if name not in classes:
+        raise ConfigError(
+            f"JobConfig.optimizer={name!r}: torch.optim has no such optimizer; use one of "
+            f"{sorted(classes)}, or build the job's own in its builder"
+        )
+    return classes[name](params, lr=lr)  # type: ignore[call-arg]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from cocoon_ckpt.dp.noise import check_generator_backend
+from cocoon_ckpt.dp.generator import check_generator_backend
 from cocoon_ckpt.errors import ConfigMismatchError, NoiseKeyError
 from cocoon_ckpt.keys import key_id
 from cocoon_ckpt.train import config as cfgmod
@@ -18,13 +18,14 @@ from cocoon_ckpt.train.build import build_trainer, model_shapes
 from cocoon_ckpt.train.codec import decode
 from cocoon_ckpt.train.config import JobConfig
 from cocoon_ckpt.train.distributed import DistContext
+from cocoon_ckpt.train.identity import identity_differences
 from cocoon_ckpt.train.parts import JobParts
 from cocoon_ckpt.train.stored import records_of, stored_table_plans
 from cocoon_ckpt.train.trainer import DPTrainer
 from state import CorruptVersionError, Store, Version
 from state.manifest import manifest_path
 
-__all__ = ["check_records", "malformed_version", "prepare_trainer"]
+__all__ = ["check_identity", "check_records", "malformed_version", "prepare_trainer"]
 
 
 def prepare_trainer(
@@ -49,6 +50,7 @@ def prepare_trainer(
             store, latest = resume
             shapes = model_shapes(trainer)
             check_records(store, latest, config.to_record(), shapes, key, allow_generator_change)
+            check_identity(store, latest, trainer)
             like = trainer.state_dict()
             if records_of(latest).get("mechanism") != like["mechanism"]:
                 raise ConfigMismatchError(
@@ -74,6 +76,27 @@ def prepare_trainer(
         trainer.close()
         raise
     return trainer
+
+
+def check_identity(store: Store, latest: Version, trainer: DPTrainer) -> None:
+    """Refuse a resume whose real objects (optimizer, scheduler, dataset) differ from
+    those the version records, listing each difference (versions written before the
+    identity was recorded are not compared)."""
+    stored = records_of(latest).get("identity")
+    if stored is None:
+        return
+    try:
+        diffs = identity_differences(stored, trainer.identity)
+    except (TypeError, AttributeError) as exc:
+        raise malformed_version(store, latest, exc) from None
+    if diffs:
+        raise ConfigMismatchError(
+            f"{store.url} (version {latest.version}) was written by a job whose optimizer, "
+            "scheduler or data differ from this one's; resuming would not continue it. "
+            "Differences: " + "; ".join(diffs) + ". Build the job as it was, or use a new "
+            "store for the new job",
+            diffs,
+        )
 
 
 def malformed_version(store: Store, latest: Version, exc: BaseException) -> CorruptVersionError:
@@ -114,4 +137,5 @@ def check_records(
             f"{store.url}: the noise key given does not match the key of version "
             f"{latest.version}; resuming would add unrelated noise. Use the job's own key"
         )
-    check_generator_backend(dict(generator), allow_change=allow_generator_change)
+    rng = record["dp"].get("noise_rng", "default")
+    check_generator_backend(dict(generator), rng=rng, allow_change=allow_generator_change)

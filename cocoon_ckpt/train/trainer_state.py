@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, TypedDict, cast
 import numpy as np
 import torch
 
-from cocoon_ckpt.records import PlacementRecord
+from cocoon_ckpt._state_dict import check_state
+from cocoon_ckpt.records import IdentityRecord, PlacementRecord
 
 if TYPE_CHECKING:
     from cocoon_ckpt.dp.noise import CorrelatedNoise
@@ -25,19 +26,33 @@ if TYPE_CHECKING:
 __all__ = [
     "TRAINER_SCHEMA",
     "NoiseLayout",
+    "PartState",
     "RngState",
     "TableArrays",
     "TrainerState",
+    "check_trainer_state",
+    "load_parts",
     "load_rng_state",
     "load_table_arrays",
     "noise_layout",
+    "part_states",
     "rng_state",
     "table_arrays",
 ]
 
 #: `schema_version` of the trainer's state dict (2: global generators, layout and the
-#: embedding tables' arrays joined the parts' states).
-TRAINER_SCHEMA = 2
+#: embedding tables' arrays joined the parts' states; 3: the LR scheduler, the job's
+#: stateful parts and its identity).
+TRAINER_SCHEMA = 3
+
+
+class PartState(TypedDict):
+    """A user part's state (an LR scheduler, a `JobParts.stateful` entry)."""
+
+    kind: str
+    """The part's qualified class name (a resume refuses another)."""
+    state: Any
+    """Its `state_dict()`, by reference."""
 
 
 class NoiseLayout(TypedDict):
@@ -109,6 +124,64 @@ class TrainerState(TypedDict):
     embedding: dict[str, Any] | None
     """`EmbeddingNoise.state_dict()` (None: no embedding tables)."""
     embedding_tables: list[TableArrays] | None
+    identity: IdentityRecord | None
+    """What the job's real objects are, as built (`train.identity`); a resume compares
+    it before loading. None: a version written before it was recorded."""
+    scheduler: PartState | None
+    """The LR scheduler's state (None: the job has none)."""
+    stateful: dict[str, PartState]
+    """`JobParts.stateful` by name."""
+
+
+def _kind(part: object) -> str:
+    cls = type(part)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def part_states(
+    scheduler: Any, stateful: dict[str, Any]
+) -> tuple[PartState | None, dict[str, PartState]]:
+    """The `scheduler` and `stateful` entries of the trainer's state (by reference)."""
+    return (
+        None if scheduler is None else {"kind": _kind(scheduler), "state": scheduler.state_dict()},
+        {name: {"kind": _kind(p), "state": p.state_dict()} for name, p in stateful.items()},
+    )
+
+
+def check_trainer_state(state: TrainerState, scheduler: Any, stateful: dict[str, Any]) -> None:
+    """Refuse a state of another kind or schema, or whose scheduler or stateful parts
+    are not this job's (checked before anything is loaded).
+
+    Raises:
+        StateSchemaError: not a DPTrainer state of this schema.
+        ValueError: the scheduler or the stateful parts differ, naming them.
+    """
+    check_state(state, "DPTrainer", TRAINER_SCHEMA)
+    stored = state["scheduler"]
+    if (stored is None) != (scheduler is None) or (
+        stored is not None and stored["kind"] != _kind(scheduler)
+    ):
+        raise ValueError(
+            f"the stored LR scheduler is {stored['kind'] if stored else None}, this job's is "
+            f"{_kind(scheduler) if scheduler is not None else None}: resume with the "
+            "scheduler the job started with"
+        )
+    mine = {n: _kind(p) for n, p in stateful.items()}
+    theirs = {n: p["kind"] for n, p in state["stateful"].items()}
+    if mine != theirs:
+        raise ValueError(
+            f"the stored stateful parts are {theirs}, this job's are {mine}: resume with "
+            "the JobParts.stateful the job started with"
+        )
+
+
+def load_parts(state: TrainerState, scheduler: Any, stateful: dict[str, Any]) -> None:
+    """Load the scheduler's and the stateful parts' states (checked by
+    `check_trainer_state`)."""
+    if scheduler is not None and state["scheduler"] is not None:
+        scheduler.load_state_dict(state["scheduler"]["state"])
+    for name, part in stateful.items():
+        part.load_state_dict(state["stateful"][name]["state"])
 
 
 def noise_layout(
