@@ -22,7 +22,6 @@ version of step t holds the generators as they are when the loop asks for step t
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import signal
 from collections.abc import Callable, Generator, Iterator
@@ -36,6 +35,7 @@ from cocoon_ckpt.keys import load_key
 from cocoon_ckpt.records import JobRecords
 from cocoon_ckpt.train.checkpoint import Checkpointer
 from cocoon_ckpt.train.config import JobConfig
+from cocoon_ckpt.train.data import Batch
 from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.job_records import job_records
 from cocoon_ckpt.train.parts import JobParts
@@ -268,20 +268,21 @@ class JobSession:
 
     def _run(self, limit: int) -> Generator[StepResult, None, None]:
         trainer = self.trainer
+        if trainer.step_index >= limit:
+            return
         batches = self._batches(limit)
         while trainer.step_index < limit:
             self._stop_if_preempted()
-            next(batches)
-            res = trainer.train_step()
+            res = trainer.train_step(next(batches))
             yield res
             at_end = trainer.step_index == self.config.dp.steps
             if trainer.step_index % self.config.checkpoint_every == 0 or at_end:
                 self._save()
 
-    def _batches(self, limit: int) -> Iterator[None]:
-        """The batches of steps [step, limit), one per step (`train.data.make_loader`
-        once the trainer takes them; until then it draws each step's batch itself)."""
-        return itertools.repeat(None, limit - self.trainer.step_index)
+    def _batches(self, limit: int) -> Iterator[Batch]:
+        """The batches of steps [step, limit) through the job's DataLoader (its workers
+        fetch ahead while the steps run)."""
+        return iter(self.trainer.loader(limit))
 
     def checkpoint(self) -> None:
         """Write a version of the step reached now (in the background when async),

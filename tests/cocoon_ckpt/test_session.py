@@ -203,3 +203,15 @@ def test_sigkill_of_a_user_loop_then_resume_matches_uninterrupted(tmp_path: Path
     gold = str(tmp_path / "gold.zarr")
     run_job(cfg, gold, key_file=key)
     assert _same(_model(url), _model(gold))
+
+
+def test_digits_example_runs(tmp_path: Path) -> None:
+    pytest.importorskip("sklearn", reason="examples/digits needs the examples extra")
+    store = str(tmp_path / "digits.zarr")
+    cmd = [sys.executable, str(ROOT / "examples" / "digits" / "run.py"), store, "--epochs", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "epoch 1: loss" in done.stdout and "test accuracy" in done.stdout
+    assert (tmp_path / "digits.zarr.pt").exists()
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "epoch" not in again.stdout  # finished: nothing to take
