@@ -90,6 +90,8 @@ def check_noise(
         str(noise["dtype"]),
         coords,
         steps,
+        # the job's generator (older configs have no field: they ran the default)
+        rng=str(dp.get("noise_rng", "default")),
     )
     std = float(dp["noise_multiplier"]) * float(dp["max_grad_norm"])
     # float32: the engine and this recomputation may sum the b-1 terms in another order
