@@ -48,7 +48,7 @@ def main() -> None:
 
     model = build_trainer(cfg, bytes(32)).model
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = tr.data
+    x, y = tr.data.tensors
     g = torch.Generator().manual_seed(0)
 
     def plain_step() -> None:
