@@ -171,7 +171,7 @@ def export_model(
     rec = latest.records
     try:
         config = JobConfig.from_record(rec["config"])
-        fp = cfgmod.fingerprint(rec["config"], rec["model_shapes"])
+        fp = cfgmod.fingerprint(rec["config"], rec["model_shapes"], rec.get("identity"))
         acc = rec["accountant"]
         method = AccountingMethod(acc.get("method", "pld"))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:

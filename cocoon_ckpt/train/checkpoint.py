@@ -21,6 +21,7 @@ from cocoon_ckpt.dp.accountant import Accountant
 from cocoon_ckpt.records import NoiseRecord, RankShard
 from cocoon_ckpt.train.codec import Snapshot, encode
 from cocoon_ckpt.train.distributed import DistContext
+from cocoon_ckpt.train.job_records import check_job_records
 from cocoon_ckpt.train.trainer import DPTrainer
 from state import (
     CorruptVersionError,
@@ -96,6 +97,10 @@ class Checkpointer:
         In a multi-process job every rank calls this at the same step; the write is in
         the foreground (its collectives must not interleave with training's)."""
         self.wait()  # at most one in flight: bounded memory, ordered versions
+        if trainer.dist is None or trainer.dist.is_coordinator:
+            # a version without the job's records would be half-readable (export,
+            # inspect and audit need them): refuse before anything is written
+            check_job_records(extra_records)
         snap = take_snapshot(trainer, self.last, extra_records)
         if trainer.dist is not None:
             self._write_coordinated(snap, trainer.dist)

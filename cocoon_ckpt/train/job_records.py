@@ -39,7 +39,7 @@ def job_records(
     shapes = model_shapes(trainer)
     return {
         "config": record,
-        "fingerprint": cfgmod.fingerprint(record, shapes),
+        "fingerprint": cfgmod.fingerprint(record, shapes, dict(trainer.identity)),
         "model_shapes": shapes,
         "key_id": key_id(key),
         "key_location": key_location(key_file),

@@ -18,8 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cocoon_ckpt.dp.noise import BLOCK
-from cocoon_ckpt.train.stored import model_state
 from cocoon_ckpt.train.distributed import shard_bounds
+from cocoon_ckpt.train.stored import model_state
 from state import Store, Version
 
 pytestmark = pytest.mark.slow

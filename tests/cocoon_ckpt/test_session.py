@@ -116,10 +116,6 @@ def test_missing_job_records_are_refused_with_their_names() -> None:
     assert {"config", "fingerprint", "key_id", "model_shapes"} <= set(REQUIRED)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Checkpointer.save does not call check_job_records yet (train/checkpoint.py)",
-)
 def test_checkpointer_refuses_a_version_without_job_records(tmp_path: Path) -> None:
     from cocoon_ckpt import Checkpointer
     from cocoon_ckpt.train.build import build_trainer

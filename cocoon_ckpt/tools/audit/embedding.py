@@ -5,6 +5,7 @@ structure and cold rows' entries recomputed from the schedule and the key."""
 from __future__ import annotations
 
 import numpy as np
+from torch.utils.data import TensorDataset
 
 from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.records import EmbeddingRecord, TableRecord
@@ -84,6 +85,17 @@ def check_embedding(
         return
     specs = {s.param: s for s in (config.embedding.tables if config.embedding else ())}
     specs = specs or {s.param: s for s in parts.tables}
+    # an embedding job's ids are tensors (the trainer refuses any other dataset)
+    data = parts.dataset
+    columns = data.tensors if isinstance(data, TensorDataset) else data
+    if not isinstance(columns, (list, tuple)):
+        report.add(
+            "embedding",
+            f"the job given holds a {type(data).__name__}, not tensors: an embedding job's "
+            "ids must be tensors (a TensorDataset) for its schedule to be checked",
+            newest.version,
+        )
+        return
     sampler = CyclicPoissonSampler(
         dataset_size=dp.dataset_size, batch_size=dp.batch_size, bands=dp.bands, seed=dp.seed
     )
@@ -100,7 +112,7 @@ def check_embedding(
             )
             continue
         sched = table_schedule(
-            parts.data[spec.data_index][:, spec.column].numpy(), batches, int(t["rows"])
+            columns[spec.data_index][:, spec.column].numpy(), batches, int(t["rows"])
         )
         order = sched.noise_order()
         if not np.array_equal(ver.array(emb_name(param, "order")), order):

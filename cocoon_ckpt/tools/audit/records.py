@@ -61,7 +61,7 @@ def check_records(
         try:
             cfg = rec["config"]
             dp = cfg["dp"]
-            fp = cfgmod.fingerprint(cfg, rec["model_shapes"])
+            fp = cfgmod.fingerprint(cfg, rec["model_shapes"], rec.get("identity"))
         except (KeyError, TypeError) as exc:
             report.add("fingerprint", f"config record is missing or malformed ({exc})", v)
             continue
