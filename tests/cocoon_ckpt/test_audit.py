@@ -283,8 +283,9 @@ def test_audit_never_runs_the_job_a_store_names(
     def rename(doc: dict[str, Any]) -> None:
         rec = doc["records"]
         rec["config"]["job"] = "marker_job:build"
+        # re-stamped as the writer computes it (config, shapes and the job's identity)
         rec["fingerprint"] = doc["job_fingerprint"] = fingerprint(
-            rec["config"], rec["model_shapes"]
+            rec["config"], rec["model_shapes"], rec.get("identity")
         )
 
     _edit_manifests(root, rename)
