@@ -82,7 +82,7 @@ def _chacha20() -> Any:
     except ImportError:
         raise MissingExtraError(
             "noise_rng='secure' needs the cryptography package for ChaCha20: "
-            "pip install 'cryptography>=42', or use noise_rng='default'"
+            "pip install 'cocoon-ckpt[secure]', or use noise_rng='default'"
         ) from None
     return Cipher, algorithms.ChaCha20
 
