@@ -191,17 +191,24 @@ class StoreStateMachine(RuleBasedStateMachine):
         if not fired or point in _VISIBLE_AFTER:
             self._expect(version, holds, {})
 
-    @rule(keep_last=st.integers(2, 4), crash_after=st.none() | st.integers(0, 2))
-    def retain(self, keep_last: int, crash_after: int | None) -> None:
+    def _retain_crashing(self, keep_last: int, crash_after: int | None, **match: Any) -> list[str]:
+        """Run retention with `retention.before_delete` armed to crash on its hit
+        `crash_after` among those matching `match` (None: no crash); the points that
+        fired."""
         fired: list[str] = []
         if crash_after is not None:
-            _crash_at("retention.before_delete", fired, after_hits=crash_after)
+            _crash_at("retention.before_delete", fired, after_hits=crash_after, **match)
         try:
             self.store.retain(keep_last=keep_last)
         except _Crash:
             pass
         finally:
             hooks.disarm("retention.before_delete")
+        return fired
+
+    @rule(keep_last=st.integers(2, 4), crash_after=st.none() | st.integers(0, 2))
+    def retain(self, keep_last: int, crash_after: int | None) -> None:
+        fired = self._retain_crashing(keep_last, crash_after)
         kept = sorted(self.model)[-keep_last:]
         listed = self.store.versions()
         assert set(kept) <= set(listed), (kept, listed)
@@ -219,14 +226,7 @@ class StoreStateMachine(RuleBasedStateMachine):
         """Retention crashes before deleting an unreferenced array (or a version folder
         holding none), once every manifest not kept is gone: the kept versions must
         read back whole, and a new process must see exactly them."""
-        fired: list[str] = []
-        _crash_at("retention.before_delete", fired, after_hits=crash_after, what=what)
-        try:
-            self.store.retain(keep_last=keep_last)
-        except _Crash:
-            pass
-        finally:
-            hooks.disarm("retention.before_delete")
+        self._retain_crashing(keep_last, crash_after, what=what)
         kept = sorted(self.model)[-keep_last:]
         assert self.store.versions() == kept
         self.model = {v: self.model[v] for v in kept}
