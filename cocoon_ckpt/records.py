@@ -25,6 +25,8 @@ __all__ = [
     "IdentityRecord",
     "JobRecords",
     "MechanismRecord",
+    "MetricSeries",
+    "MetricsRecord",
     "ModelShapes",
     "NoiseRecord",
     "NumpyRngRecord",
@@ -294,6 +296,28 @@ class SnapshotRecords(TypedDict):
     """The job's other state (`JobParts.stateful`), by name."""
 
 
+class MetricSeries(TypedDict):
+    """One metric's points: the steps as runs, then one value per step in run order."""
+
+    steps: list[list[int]]
+    """Runs `[start, stop)` of consecutive step indices t (0-based), increasing and
+    disjoint: `[[0, 300]]` is a point at every step of 0..299."""
+    values: list[float]
+    """The value at each of those steps, finite."""
+
+
+class MetricsRecord(TypedDict):
+    """`metrics`: every point logged for the steps before the version's (the whole
+    curve so far, so retention never cuts its start; `train.metrics`)."""
+
+    schema_version: int
+    stop: int
+    """The version's step: every point is of a step before it."""
+    series: dict[str, MetricSeries]
+    """By metric name (`loss`: the sampled batch's mean loss, recorded at every step
+    whose loss is finite; other names are what the loop logged)."""
+
+
 class JobRecords(TypedDict):
     """The records the job runner adds to every version."""
 
@@ -307,6 +331,8 @@ class JobRecords(TypedDict):
     threat_model: str
     complete: bool
     """The job's last step is in this version (a hint only: export re-derives it)."""
+    metrics: NotRequired[MetricsRecord]
+    """Absent from stores written before metrics were stored."""
 
 
 class VersionRecords(SnapshotRecords, JobRecords):

@@ -20,11 +20,13 @@ def add_parsers(sub: Subparsers) -> None:
     """Add `inspect`, `diff` and `gc` to the top-level subcommands."""
     p = sub.add_parser(
         "inspect",
-        help="list a store's versions: steps, sizes by kind, placement, threat model, epsilon",
+        help="list a store's versions: steps, sizes by kind, placement, threat model, epsilon, "
+        "metrics",
         description="Read the manifests (no array is read) and describe every version: step, "
         "bytes written and referenced by kind (model, optimizer, ring, rng, csc), where the "
-        "noise history lies, threat model and epsilon. With --version, that version's full "
-        "config and array list.",
+        "noise history lies, threat model and epsilon; the newest version's metrics (points "
+        "and last value of the loss and of what the loop logged). With --version, that "
+        "version's full config and array list.",
     )
     p.set_defaults(handler=inspect)
     p.add_argument("url", help="store URL")
@@ -127,6 +129,7 @@ def _inspect_lines(out: dict[str, Any]) -> list[str]:
                 f"{'':>16}embedding: {emb['tables']} tables ({paths}), "
                 f"{emb['hot_rows']:,} hot rows{csc}; cursor at step {emb['cursor']}"
             )
+    lines.extend(_metrics_lines(out["versions"]))
     for d in out["damaged_manifests"]:
         lines.append(f"DAMAGED version {d['version']}: {d['error']}")
     sp = out.get("space")
@@ -149,6 +152,21 @@ def _inspect_lines(out: dict[str, Any]) -> list[str]:
         writer = f"{holder['owner']} (generation {holder['generation']}, {state})"
     lines.append(f"writer lease: {writer}; noise key in store: {out['key_in_store']}")
     return lines
+
+
+def _metrics_lines(versions: list[dict[str, Any]]) -> list[str]:
+    """The newest version's training curves: points and last value of each metric."""
+    if not versions or versions[-1].get("metrics") is None:
+        return []
+    v = versions[-1]
+    metrics = v["metrics"]
+    if "error" in metrics:
+        return [f"metrics of version {v['version']} cannot be read: {metrics['error']}"]
+    shown = "; ".join(
+        f"{name} {s['points']} points, last {s['last']:.4g} at step {s['last_step']}"
+        for name, s in metrics.items()
+    )
+    return [f"metrics in version {v['version']}: {shown or 'none logged'}"]
 
 
 def diff(args: argparse.Namespace) -> int:

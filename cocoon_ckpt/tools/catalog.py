@@ -12,6 +12,7 @@ from typing import Any
 from cocoon_ckpt.layout import KEY_SECRET, THREAT_MODEL_DEFAULT, THREAT_MODELS, array_kind
 from cocoon_ckpt.records import EmbeddingRecord
 from cocoon_ckpt.tools.guarantee import describe
+from cocoon_ckpt.train.metrics import METRICS_RECORD, MetricsError, read_metrics
 from state import CorruptVersionError, Manifest, Store
 from state.paths import version_prefix
 from state.retention import OnDamage, verified_manifests
@@ -65,6 +66,22 @@ def _version_summary(m: Manifest) -> dict[str, Any]:
         "plan": noise.get("plan"),
         "history_bytes": noise.get("history_bytes"),
         "embedding": _embedding_summary(rec.get("embedding")),
+        "metrics": _metrics_summary(m),
+    }
+
+
+def _metrics_summary(m: Manifest) -> dict[str, Any] | None:
+    """Per metric: its points and its last one (None: a version without the record)."""
+    if METRICS_RECORD not in m.records:
+        return None
+    try:
+        curve = read_metrics(m.records[METRICS_RECORD], m.step, f"version {m.version}")
+    except MetricsError as exc:
+        return {"error": str(exc)}  # `audit` reports it as a finding
+    return {
+        name: {"points": len(s), "last_step": s.steps[-1], "last": s.values[-1]}
+        for name, s in sorted(curve.items())
+        if s.steps
     }
 
 

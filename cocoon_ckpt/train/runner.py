@@ -1,7 +1,8 @@
 """Run a resumable private job against a store to its end: `open_job` with no loop body.
 
 Running the same job against a store that has versions resumes from the newest valid
-one, and the result is bit-identical to an uninterrupted run (I3).
+one, and the result is bit-identical to an uninterrupted run (I3). Every version stores
+the loss of each step so far (`train.metrics`), as the session does for any loop.
 
 A refused or failed start changes nothing: the config, the job's parts, the newest
 version, the key and every resume check are settled before the first write (creating

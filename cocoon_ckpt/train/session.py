@@ -4,7 +4,7 @@ between them, stop when you like.
     with open_job(config, "runs/job.zarr", parts, key_file="noise.key") as job:
         for step in job.steps():
             if step.step % 100 == 99:
-                evaluate(job.model)
+                job.log(accuracy=evaluate(job.model))
 
 Opening a store that has versions resumes from the newest valid one (the same checks and
 refusals as `run_job`, all before the first write). Checkpoints follow the config's
@@ -12,6 +12,8 @@ cadence, in the background when `async_checkpoint`; leaving the block writes a f
 version of the step reached, so a loop that stops early loses nothing. Every version
 carries the job records (`train.job_records`), so `inspect`, `audit`, `diff`, `gc` and
 `export_model` read it as they read `run_job`'s. `run_job` is this loop with no body.
+Every version also stores the loss of each step and what the loop `log`s
+(`train.metrics`), which `inspect` and the plots show.
 
 What runs between steps is part of the job: a resume continues after the newest
 version's step, so the loop's code must be the same function of the step for the result
@@ -38,6 +40,7 @@ from cocoon_ckpt.train.config import JobConfig
 from cocoon_ckpt.train.data import Batch
 from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.job_records import job_records
+from cocoon_ckpt.train.metrics import MetricsError, TrainingMetrics, step_scalars
 from cocoon_ckpt.train.parts import JobParts
 from cocoon_ckpt.train.preempt import Preemption
 from cocoon_ckpt.train.resume import prepare_trainer
@@ -190,7 +193,7 @@ class JobSession:
 
     Made by `open_job`; use it as a context manager. Attributes: `config`, `store`,
     `trainer` (the `DPTrainer`), `resumed_from` (the step of the version it resumed
-    from, None for a fresh start).
+    from, None for a fresh start), `metrics` (the `TrainingMetrics` stored so far).
     """
 
     def __init__(
@@ -208,6 +211,7 @@ class JobSession:
         self.store = store
         self.trainer = trainer
         self.resumed_from = latest.step if latest is not None else None
+        self.metrics = TrainingMetrics.of_version(latest, store.url)
         self._ckpt = ckpt
         self._records = records
         self._saved = latest.step if latest is not None else 0
@@ -274,6 +278,7 @@ class JobSession:
         while trainer.step_index < limit:
             self._stop_if_preempted()
             res = trainer.train_step(next(batches))
+            self.metrics.add(res.step, step_scalars(res))
             yield res
             at_end = trainer.step_index == self.config.dp.steps
             if trainer.step_index % self.config.checkpoint_every == 0 or at_end:
@@ -283,6 +288,26 @@ class JobSession:
         """The batches of steps [step, limit) through the job's DataLoader (its workers
         fetch ahead while the steps run)."""
         return iter(self.trainer.loader(limit))
+
+    def log(self, step: int | None = None, **scalars: float) -> None:
+        """Store scalars (an evaluation's accuracy, a learning rate) as values of a step.
+
+        Args:
+            step: their step (default: the last taken), one taken since the newest version.
+            **scalars: metric name to a finite number (a float, or a 0-d tensor).
+
+        Raises:
+            MetricsError: a name or a value is refused, the step is outside the steps
+                taken since the newest version, or a metric already has a point there.
+        """
+        lo, hi = self._saved, self.trainer.step_index
+        at = hi - 1 if step is None else step
+        if not lo <= at < hi:
+            raise MetricsError(
+                f"metrics of step {at} cannot be stored: only steps taken since the newest "
+                f"version, [{lo}, {hi}), can be; log inside the loop, after the step"
+            )
+        self.metrics.add(at, scalars)
 
     def checkpoint(self) -> None:
         """Write a version of the step reached now (in the background when async),
@@ -299,7 +324,11 @@ class JobSession:
 
     def _save(self) -> None:
         step = self.trainer.step_index
-        records: JobRecords = {**self._records, "complete": step == self.config.dp.steps}
+        records: JobRecords = {
+            **self._records,
+            "complete": step == self.config.dp.steps,
+            "metrics": self.metrics.to_record(step),
+        }
         self._ckpt.save(self.trainer, records)
         self._saved = step
 

@@ -1,7 +1,8 @@
 """The audit of each version's records against its config: the job fingerprint, the
 `complete` flag (derived from the step count), the accountant record and its epsilon
 (recomputed from the config, never taken from the record), and the trainer's and
-noise's step against the manifest's."""
+noise's step against the manifest's, and the metrics record (its points before the
+version's step, a parent's curve a prefix of its child's)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from cocoon_ckpt.dp.accountant import epsilon as compute_epsilon
 from cocoon_ckpt.tools.audit.report import AuditReport
 from cocoon_ckpt.tools.bounds import VersionBounds
 from cocoon_ckpt.train import config as cfgmod
+from cocoon_ckpt.train.metrics import METRICS_RECORD, MetricsError, Series, read_metrics
 from state import Manifest
 
-__all__ = ["check_records", "config_epsilon"]
+__all__ = ["check_metrics", "check_records", "config_epsilon"]
 
 
 def config_epsilon(dp: dict[str, Any], steps: int, method: str) -> float:
@@ -99,6 +101,46 @@ def check_records(
         )
     report.checks["accountant"] = {"epsilons_recomputed": recomputed_eps}
     report.checks["fingerprint"] = {"distinct": len(fingerprints)}
+    check_metrics(manifests, report)
+
+
+def check_metrics(manifests: dict[int, Manifest], report: AuditReport) -> None:
+    """Each version's metrics record well formed (every point before its step, finite),
+    and a parent's points exactly the child's points of the steps before the parent's.
+
+    Args:
+        manifests: the parsed manifests, by version number.
+        report: where findings and the `metrics` counts go (versions with the record,
+            points in the newest one).
+    """
+    curves: dict[int, dict[str, Series]] = {}
+    for v, m in sorted(manifests.items()):
+        if METRICS_RECORD not in m.records:
+            continue  # written before metrics were stored
+        try:
+            curves[v] = read_metrics(m.records[METRICS_RECORD], m.step, f"version {v}")
+        except MetricsError as exc:
+            report.add("metrics", str(exc), v)
+    for v, curve in curves.items():
+        parent = manifests[v].parent
+        if parent is None or parent not in curves:
+            continue
+        before = manifests[parent].step
+        for name in sorted(set(curve) | set(curves[parent])):
+            mine, theirs = curve.get(name, Series()), curves[parent].get(name, Series())
+            n = sum(1 for t in mine.steps if t < before)
+            if (mine.steps[:n], mine.values[:n]) != (theirs.steps, theirs.values):
+                report.add(
+                    "metrics",
+                    f"metric {name} of the steps before {before} differs from version "
+                    f"{parent}'s: a stored point was changed, dropped or added",
+                    v,
+                )
+    newest = curves.get(max(manifests), {})
+    report.checks["metrics"] = {
+        "versions": len(curves),
+        "points": sum(len(s) for s in newest.values()),
+    }
 
 
 def _check_accountant(
