@@ -1,5 +1,6 @@
 """The progress bars of `train` on stderr: the embedding precompute, then the steps with
-loss, epsilon and the last checkpoint."""
+loss, epsilon and the last checkpoint. Only on a terminal: redirected to a file or a
+pipe (a batch job's log), carriage-return redraws are noise, so nothing is drawn."""
 
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ class Progress:
     Args:
         steps: the job's total steps n (the bar's length).
         checkpoint_every: steps between checkpoints K, to show the last one.
+        enabled: draw the bars (default: when stderr is a terminal).
     """
 
-    def __init__(self, steps: int, checkpoint_every: int) -> None:
+    def __init__(self, steps: int, checkpoint_every: int, *, enabled: bool | None = None) -> None:
         from tqdm import tqdm
 
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
         self._tqdm = tqdm
         self._steps = steps
         self._every = checkpoint_every
@@ -32,6 +35,8 @@ class Progress:
 
     def on_precompute(self, done: int, total: int) -> None:
         """`run_job`'s on_precompute: `done` of `total` table rows precomputed."""
+        if not self.enabled:
+            return
         if self._pre is None:
             self._pre = self._tqdm(total=total, desc="precompute", unit="row", file=sys.stderr)
         self._pre.update(done - self._pre.n)
@@ -40,6 +45,8 @@ class Progress:
 
     def on_step(self, res: StepResult, trainer: DPTrainer) -> None:
         """`run_job`'s on_step: `trainer` has taken one more step."""
+        if not self.enabled:
+            return
         if self._bar is None:  # made at the first step: a refused start draws no bar
             self._bar = self._tqdm(total=self._steps, desc="train", unit="step", file=sys.stderr)
             self._bar.update(res.step)  # resumed: start the bar where the job is
