@@ -12,6 +12,8 @@ __all__ = [
     "array_kind",
     "emb_name",
     "ring_name",
+    "ring_rows_name",
+    "table_ring_rows_name",
 ]
 
 #: The noise key's secret name in the store (`secret/noise.key`), unless a key file is used.
@@ -42,8 +44,21 @@ def array_kind(name: str) -> str:
 
 
 def ring_name(shard: int, step: int) -> str:
-    """The array holding w of `step` for ring shard `shard`."""
+    """The 1-D array holding w of `step` for ring shard `shard`, in stores written
+    before slots were stored as rows (read, never written)."""
     return f"ring/shard-{shard:04d}/w-{step:08d}"
+
+
+def ring_rows_name(shard: int, first: int, last: int) -> str:
+    """The (k, width) array of ring shard `shard`'s slots new in a version: w of steps
+    `first`..`last`, one row each (`cocoon_ckpt.train.ring_rows`)."""
+    return f"ring/shard-{shard:04d}/w-{first:08d}-{last:08d}"
+
+
+def table_ring_rows_name(param: str, first: int, last: int) -> str:
+    """The (k, online width) array of table `param`'s online ring slots new in a
+    version, steps `first`..`last`."""
+    return emb_name(param, f"ring/w-{first:08d}-{last:08d}")
 
 
 def emb_name(param: str, part: str) -> str:

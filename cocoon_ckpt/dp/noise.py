@@ -301,31 +301,39 @@ class CorrelatedNoise:
 
     # state -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Small record plus the ring (the caller stores the ring slots as arrays)."""
+        """Small record plus the live ring, by reference (the `RingHistory`): a
+        checkpoint reads only the slots it stores (`history.read`), so taking it never
+        gathers the whole ring; copy what you keep before the next `step()`."""
         return {
             "kind": "CorrelatedNoise",
-            "schema_version": 1,
+            "schema_version": 2,
             "t": self.t,
             "start": self.start,
             "stop": self.stop,
             "dtype": str(self.dtype).removeprefix("torch."),
             "slot_steps": list(self.slot_steps),
-            "ring": self.ring,
+            "ring": self.history,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state(state, "CorrelatedNoise", 1)
+        """Load `state` (as `state_dict()` returns it, or a resume reads it): its ring,
+        any `RingHistory` of this shard's shape, is copied in."""
+        check_state(state, "CorrelatedNoise", 2)
         if (state["start"], state["stop"]) != (self.start, self.stop):
             raise ValueError(
                 f"ring shard [{state['start']}, {state['stop']}) does not match this "
                 f"instance's [{self.start}, {self.stop})"
             )
-        ring = torch.as_tensor(state["ring"])
-        want = (self.history.slots, self.history.width)
-        if tuple(ring.shape) != want or ring.dtype != self.dtype:
+        ring = state["ring"]
+        if not isinstance(ring, RingHistory):
+            raise TypeError(f"ring is a {type(ring).__name__}; expected a RingHistory")
+        want = (self.history.slots, self.history.width, self.history.dtype)
+        if (ring.slots, ring.width, ring.dtype) != want:
             raise ValueError(
-                f"ring is {ring.dtype}{tuple(ring.shape)}, expected {self.dtype}{want}"
+                f"ring is {ring.dtype}({ring.slots}, {ring.width}), expected "
+                f"{want[2]}({want[0]}, {want[1]})"
             )
-        self.history.scatter(ring.numpy())
+        if ring is not self.history:
+            self.history.scatter(ring.gather())
         self.slot_steps = list(state["slot_steps"])
         self.t = int(state["t"])

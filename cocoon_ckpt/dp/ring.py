@@ -94,6 +94,20 @@ class HostRing:
         self.slots, self.width, self.dtype = slots, width, dt
         self._ring: np.ndarray | None = np.zeros((slots, width), dtype=dt)
 
+    @classmethod
+    def holding(cls, ring: np.ndarray) -> HostRing:
+        """A ring over `ring` itself, (slots, width), not a copy (a resume fills one
+        array and hands it over).
+
+        Raises:
+            ValueError: `ring` is not 2-D float32 or float64.
+        """
+        if ring.ndim != 2:
+            raise ValueError(f"HostRing.holding: ring is {ring.ndim}-D, expected (slots, width)")
+        out = cls(0, 0, ring.dtype)
+        out.slots, out.width, out._ring = ring.shape[0], ring.shape[1], ring
+        return out
+
     def __repr__(self) -> str:
         return f"HostRing(slots={self.slots}, width={self.width}, dtype={self.dtype})"
 

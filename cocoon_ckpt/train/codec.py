@@ -1,9 +1,11 @@
 """The snapshot codec: the trainer's state dict <-> a version's arrays and records.
 
 `encode` turns exactly what `DPTrainer.state_dict()` returns into host copies of the
-arrays (ring slots new since the parent version; older ones are referenced from it)
-and the typed records of `cocoon_ckpt.records`; `decode` turns a verified version back
-into the dict `DPTrainer.load_state_dict()` takes. The store format is docs/store-format.md.
+arrays (the ring slots new since the parent version as one array of rows, older ones
+referenced from it: `train.ring_rows`) and the typed records of `cocoon_ckpt.records`;
+`decode` turns a verified version back into the dict `DPTrainer.load_state_dict()`
+takes. Embedding tables are `train.table_codec`'s part. The store format is
+docs/store-format.md.
 
 The trainer is never imported here. A version's single parts (the model, the config,
 the embedding plans) are read by `cocoon_ckpt.train.stored`, which the tools use.
@@ -11,18 +13,15 @@ the embedding plans) are read by `cocoon_ckpt.train.stored`, which the tools use
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
 import torch
 
-from cocoon_ckpt.embedding.csc import CoalescedCSC
-from cocoon_ckpt.layout import emb_name, ring_name
+from cocoon_ckpt.layout import ring_rows_name
 from cocoon_ckpt.records import (
     AccountantRecord,
-    EmbeddingRecord,
     GeneratorRecord,
     MechanismRecord,
     NoiseRecord,
@@ -30,16 +29,16 @@ from cocoon_ckpt.records import (
     OptimizerValue,
     PartStateRecord,
     RankShard,
-    RingSlot,
     RngRecord,
     SamplerRecord,
     ShardRecord,
     SnapshotRecords,
-    TableRecord,
 )
 from cocoon_ckpt.train.part_state import decode_part_state, encode_part_state
+from cocoon_ckpt.train.ring_rows import borrowable, encode_slots, load_ring
 from cocoon_ckpt.train.stored import model_state, records_of
-from cocoon_ckpt.train.trainer_state import TRAINER_SCHEMA, PartState, TableArrays, TrainerState
+from cocoon_ckpt.train.table_codec import decode_tables, encode_tables
+from cocoon_ckpt.train.trainer_state import TRAINER_SCHEMA, PartState, TrainerState
 from state import ArrayMeta, Manifest, Version
 
 __all__ = [
@@ -77,23 +76,15 @@ class Snapshot:
 # -- encode -------------------------------------------------------------------------
 
 
-def _ring_slots(
-    noise: dict[str, Any], name_of: Callable[[int], str], parent: Manifest | None, snap: Snapshot
-) -> list[RingSlot]:
-    """A ring's `[slot, step, array name]` list: slots new since the parent are copied
-    into `snap.arrays`, older ones referenced from the parent in `snap.references`."""
-    ring: torch.Tensor = noise["ring"]
-    slots: list[RingSlot] = []
-    for slot, step in enumerate(noise["slot_steps"]):
-        if step is None:
-            continue
-        name = name_of(step)
-        slots.append([slot, step, name])
-        if parent is not None and step < parent.step and name in parent.arrays:
-            snap.references[name] = parent.arrays[name]
-        else:
-            snap.arrays[name] = _to_numpy(ring[slot])
-    return slots
+def _parent_shard(parent: Manifest | None, start: int, stop: int) -> Any:
+    """The parent's slot entries for the ring shard of columns [start, stop) (None:
+    no parent, or none of these columns: every slot is new)."""
+    if parent is None:
+        return None
+    for shard in records_of(parent)["noise"]["shards"]:
+        if (shard["start"], shard["stop"]) == (start, stop):
+            return shard["slots"]
+    return None
 
 
 def _optimizer(opt: dict[str, Any], snap: Snapshot) -> OptimizerRecord:
@@ -111,53 +102,6 @@ def _optimizer(opt: dict[str, Any], snap: Snapshot) -> OptimizerRecord:
     return {"param_groups": opt["param_groups"], "state": state}
 
 
-def _table_ring_name(param: str) -> Callable[[int], str]:
-    """The array naming table `param`'s online ring slot of a step."""
-    return lambda step: emb_name(param, f"ring/w-{step:08d}")
-
-
-def _tables(state: TrainerState, parent: Manifest | None, snap: Snapshot) -> EmbeddingRecord:
-    """Each table's online ring (new slots only), and its CSC and noise order once."""
-    emb = state["embedding"]
-    extra = state["embedding_tables"]
-    if emb is None or extra is None:
-        raise ValueError("the trainer state has embedding noise state but no table arrays")
-    tables: list[TableRecord] = []
-    for st, arrs in zip(emb["tables"], extra, strict=True):
-        param = st["param"]
-        online = st["online"]
-        slots: list[RingSlot] = []
-        if online is not None:
-            slots = _ring_slots(online, _table_ring_name(param), parent, snap)
-        csc = arrs["csc"]
-        job_arrays = {"order": arrs["order"]}
-        if csc is not None:
-            job_arrays.update({f"csc/{k}": v for k, v in csc.arrays().items()})
-        for k, arr in job_arrays.items():
-            name = emb_name(param, k)
-            if parent is not None and name in parent.arrays:
-                snap.references[name] = parent.arrays[name]
-            else:
-                snap.shared[name] = arr
-        tables.append(
-            {
-                "param": param,
-                "rows": arrs["rows"],
-                "dim": arrs["dim"],
-                "plan": st["plan"],
-                "t": online["t"] if online is not None else state["step"],
-                "online_rows": arrs["online_rows"],
-                "slots": slots,
-                "csc": None
-                if csc is None
-                else {"entries": csc.nnz, "bytes": csc.nbytes, "steps": csc.steps},
-                "precompute_seconds": arrs["precompute_seconds"],
-                "history_bytes": arrs["history_bytes"],
-            }
-        )
-    return {"threat_model": emb["threat_model"], "cursor": state["step"], "tables": tables}
-
-
 def encode(state: TrainerState, parent: Manifest | None, *, shard_only: bool = False) -> Snapshot:
     """Host copies of `state`'s arrays and its records, ring slots the parent version
     already holds referenced.
@@ -171,7 +115,15 @@ def encode(state: TrainerState, parent: Manifest | None, *, shard_only: bool = F
     snap = Snapshot(step=state["step"])
     noise, layout = state["noise"], state["noise_layout"]
     rank = layout["rank"] or 0
-    slots = _ring_slots(noise, lambda step: ring_name(rank, step), parent, snap)
+    slots = encode_slots(
+        noise["ring"],
+        noise["slot_steps"],
+        lambda first, last: ring_rows_name(rank, first, last),
+        parent,
+        borrowable(parent, _parent_shard(parent, noise["start"], noise["stop"])),
+        snap.arrays,
+        snap.references,
+    )
     shard: ShardRecord = {"start": noise["start"], "stop": noise["stop"], "slots": slots}
     snap.shard = {**shard, "placement": layout["placement"]}
     if shard_only:
@@ -217,7 +169,7 @@ def encode(state: TrainerState, parent: Manifest | None, *, shard_only: bool = F
         "param_names": list(layout["param_names"]),
     }
     if state["embedding"] is not None:
-        records["embedding"] = _tables(state, parent, snap)
+        records["embedding"] = encode_tables(state, parent, snap)
     if state["identity"] is not None:
         records["identity"] = state["identity"]
     _parts(state, records, snap)
@@ -249,27 +201,6 @@ def _parts(state: TrainerState, records: SnapshotRecords, snap: Snapshot) -> Non
 # -- decode -------------------------------------------------------------------------
 
 
-def _load_ring(
-    noise: dict[str, Any], shards: list[ShardRecord], version: Version
-) -> dict[str, Any]:
-    """The CorrelatedNoise state of `noise`'s [start, stop) (a live state dict, read
-    for its range, ring shape and dtype) from stored ring shards of any split: only the
-    overlaps are read (I1 and the fixed-order kernel make the noise independent of how
-    it was split)."""
-    start, stop = noise["start"], noise["stop"]
-    like: torch.Tensor = noise["ring"]
-    ring = torch.zeros(like.shape, dtype=like.dtype)
-    slot_steps: list[int | None] = [None] * like.shape[0]
-    for shard in shards:
-        lo, hi = max(shard["start"], start), min(shard["stop"], stop)
-        for slot, step, name in shard["slots"]:
-            slot_steps[slot] = step
-            if hi > lo:
-                part = version.array(name)[lo - shard["start"] : hi - shard["start"]]
-                ring[slot, lo - start : hi - start] = torch.from_numpy(part.copy())
-    return {**noise, "slot_steps": slot_steps, "ring": ring}
-
-
 def _decode_optimizer(rec: OptimizerRecord, version: Version) -> dict[str, Any]:
     state: dict[int, dict[str, Any]] = {}
     for idx, st in rec["state"].items():
@@ -278,64 +209,6 @@ def _decode_optimizer(rec: OptimizerRecord, version: Version) -> dict[str, Any]:
             for key, v in st.items()
         }
     return {"param_groups": rec["param_groups"], "state": state}
-
-
-def _decode_tables(
-    version: Version, like: TrainerState
-) -> tuple[dict[str, Any] | None, list[TableArrays] | None]:
-    emb = records_of(version).get("embedding")
-    if (emb is None) != (like["embedding"] is None):
-        raise ValueError(
-            f"version {version.version} {'has' if emb else 'has no'} embedding noise state, "
-            f"this job {'has' if like['embedding'] else 'has no'} embedding tables"
-        )
-    if emb is None or like["embedding"] is None:
-        return None, None
-    states, arrays = [], []
-    for live, rec in zip(like["embedding"]["tables"], emb["tables"], strict=True):
-        param = rec["param"]
-        online = None
-        if live["online"] is not None:
-            whole: list[ShardRecord] = [
-                {"start": 0, "stop": live["online"]["stop"], "slots": rec["slots"]}
-            ]
-            online = {**_load_ring(live["online"], whole, version), "t": rec["t"]}
-        states.append(
-            {
-                "kind": "TableEngine",
-                "schema_version": 1,
-                "param": param,
-                "plan": rec["plan"],
-                "online": online,
-            }
-        )
-        csc = None
-        if rec["csc"] is not None:
-            csc = CoalescedCSC.from_arrays(
-                {
-                    k: version.array(emb_name(param, f"csc/{k}"))
-                    for k in ("col_ptr", "rows", "values")
-                }
-            )
-        arrays.append(
-            TableArrays(
-                param=param,
-                rows=rec["rows"],
-                dim=rec["dim"],
-                online_rows=rec["online_rows"],
-                order=version.array(emb_name(param, "order")),
-                csc=csc,
-                precompute_seconds=float(rec.get("precompute_seconds", 0.0)),
-                history_bytes=rec["history_bytes"],
-            )
-        )
-    embedding = {
-        "kind": "EmbeddingNoise",
-        "schema_version": 1,
-        "threat_model": emb["threat_model"],
-        "tables": states,
-    }
-    return embedding, arrays
 
 
 def decode(version: Version, like: TrainerState) -> TrainerState:
@@ -352,7 +225,7 @@ def decode(version: Version, like: TrainerState) -> TrainerState:
     """
     rec = records_of(version)
     nrec = rec["noise"]
-    embedding, tables = _decode_tables(version, like)
+    embedding, tables = decode_tables(version, like)
     npr, py = rec["rng"]["numpy"], rec["rng"]["python"]
     return {
         "kind": "DPTrainer",
@@ -360,7 +233,7 @@ def decode(version: Version, like: TrainerState) -> TrainerState:
         "step": rec["trainer"]["step"],
         "model": model_state(version),
         "optimizer": _decode_optimizer(rec["optimizer"], version),
-        "noise": {**_load_ring(like["noise"], nrec["shards"], version), "t": nrec["t"]},
+        "noise": {**load_ring(like["noise"], nrec["shards"], version), "t": nrec["t"]},
         # where the history lies now is this job's choice: the noise does not depend on it
         "noise_layout": like["noise_layout"],
         "sampler": dict(rec["sampler"]),

@@ -13,6 +13,7 @@ import torch
 from cocoon_ckpt import ConfigMismatchError, NoiseKeyError, export_model, run_job
 from cocoon_ckpt.dp.noise import check_generator_backend, generator_backend
 from cocoon_ckpt.errors import GeneratorMismatchError
+from cocoon_ckpt.train.ring_rows import slot_refs
 from fault_injection import CrashPointHit, crash_at, disarm_all
 from state import Store
 
@@ -120,7 +121,9 @@ def test_incremental_checkpoint_writes_only_new_slots(tmp_path: Path) -> None:
     v = store.latest()
     assert v is not None
     m = v.manifest
-    ring = {k: a for k, a in m.arrays.items() if k.startswith("ring/")}
+    # each slot by the array holding its row (the new slots of a version share one)
+    refs = slot_refs(v.records["noise"]["shards"][0]["slots"])
+    ring = {f"{r.array}#{r.row}": m.arrays[r.array] for r in refs}
     assert len(ring) == 15
     own = [k for k, a in ring.items() if a.path.startswith(f"versions/{m.version:08d}-")]
     assert len(own) == 5  # min(k, b-1) new slots; the rest referenced

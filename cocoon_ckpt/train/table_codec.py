@@ -1,0 +1,145 @@
+"""The snapshot codec's embedding part: each table's online ring (new slots as rows),
+its CSC and noise order (job-lifetime arrays under shared/, referenced once written)
+<-> the `embedding` record and the trainer state's table entries."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+from cocoon_ckpt.embedding.csc import CoalescedCSC
+from cocoon_ckpt.layout import emb_name, table_ring_rows_name
+from cocoon_ckpt.records import EmbeddingRecord, RingSlot, ShardRecord, TableRecord
+from cocoon_ckpt.train.ring_rows import borrowable, encode_slots, load_ring
+from cocoon_ckpt.train.stored import records_of
+from cocoon_ckpt.train.trainer_state import TableArrays, TrainerState
+from state import Manifest, Version
+
+if TYPE_CHECKING:
+    from cocoon_ckpt.train.codec import Snapshot
+
+__all__ = ["decode_tables", "encode_tables"]
+
+
+def _parent_slots(parent: Manifest | None, param: str) -> Any:
+    """Table `param`'s online ring entries in the parent version (None: none)."""
+    if parent is None:
+        return None
+    emb = records_of(parent).get("embedding")
+    for t in emb["tables"] if emb else []:
+        if t["param"] == param:
+            return t["slots"]
+    return None
+
+
+def encode_tables(state: TrainerState, parent: Manifest | None, snap: Snapshot) -> EmbeddingRecord:
+    """Each table's online ring (new slots only), and its CSC and noise order once."""
+    emb = state["embedding"]
+    extra = state["embedding_tables"]
+    if emb is None or extra is None:
+        raise ValueError("the trainer state has embedding noise state but no table arrays")
+    tables: list[TableRecord] = []
+    for st, arrs in zip(emb["tables"], extra, strict=True):
+        param = st["param"]
+        online = st["online"]
+        slots: list[RingSlot] = []
+        if online is not None:
+            slots = encode_slots(
+                online["ring"],
+                online["slot_steps"],
+                functools.partial(table_ring_rows_name, param),
+                parent,
+                borrowable(parent, _parent_slots(parent, param)),
+                snap.arrays,
+                snap.references,
+            )
+        csc = arrs["csc"]
+        job_arrays = {"order": arrs["order"]}
+        if csc is not None:
+            job_arrays.update({f"csc/{k}": v for k, v in csc.arrays().items()})
+        for k, arr in job_arrays.items():
+            name = emb_name(param, k)
+            if parent is not None and name in parent.arrays:
+                snap.references[name] = parent.arrays[name]
+            else:
+                snap.shared[name] = arr
+        tables.append(
+            {
+                "param": param,
+                "rows": arrs["rows"],
+                "dim": arrs["dim"],
+                "plan": st["plan"],
+                "t": online["t"] if online is not None else state["step"],
+                "online_rows": arrs["online_rows"],
+                "slots": slots,
+                "csc": None
+                if csc is None
+                else {"entries": csc.nnz, "bytes": csc.nbytes, "steps": csc.steps},
+                "precompute_seconds": arrs["precompute_seconds"],
+                "history_bytes": arrs["history_bytes"],
+            }
+        )
+    return {"threat_model": emb["threat_model"], "cursor": state["step"], "tables": tables}
+
+
+def decode_tables(
+    version: Version, like: TrainerState
+) -> tuple[dict[str, Any] | None, list[TableArrays] | None]:
+    """The embedding state and table arrays a version holds (None, None: no tables).
+
+    Raises:
+        ValueError: the version and the trainer disagree on embedding tables.
+    """
+    emb = records_of(version).get("embedding")
+    if (emb is None) != (like["embedding"] is None):
+        raise ValueError(
+            f"version {version.version} {'has' if emb else 'has no'} embedding noise state, "
+            f"this job {'has' if like['embedding'] else 'has no'} embedding tables"
+        )
+    if emb is None or like["embedding"] is None:
+        return None, None
+    states, arrays = [], []
+    for live, rec in zip(like["embedding"]["tables"], emb["tables"], strict=True):
+        param = rec["param"]
+        online = None
+        if live["online"] is not None:
+            whole: list[ShardRecord] = [
+                {"start": 0, "stop": live["online"]["stop"], "slots": rec["slots"]}
+            ]
+            online = {**load_ring(live["online"], whole, version), "t": rec["t"]}
+        states.append(
+            {
+                "kind": "TableEngine",
+                "schema_version": 1,
+                "param": param,
+                "plan": rec["plan"],
+                "online": online,
+            }
+        )
+        csc = None
+        if rec["csc"] is not None:
+            csc = CoalescedCSC.from_arrays(
+                {
+                    k: version.array(emb_name(param, f"csc/{k}"))
+                    for k in ("col_ptr", "rows", "values")
+                }
+            )
+        arrays.append(
+            TableArrays(
+                param=param,
+                rows=rec["rows"],
+                dim=rec["dim"],
+                online_rows=rec["online_rows"],
+                order=version.array(emb_name(param, "order")),
+                csc=csc,
+                precompute_seconds=float(rec.get("precompute_seconds", 0.0)),
+                history_bytes=rec["history_bytes"],
+            )
+        )
+    embedding = {
+        "kind": "EmbeddingNoise",
+        "schema_version": 1,
+        "threat_model": emb["threat_model"],
+        "tables": states,
+    }
+    return embedding, arrays
