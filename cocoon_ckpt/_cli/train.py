@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cocoon_ckpt._cli.args import add_json, add_storage_options, storage_options
 from cocoon_ckpt._cli.train_config import field_default, flag_default, train_config
 from cocoon_ckpt.dp.mechanism import MechanismKind
+from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.train.config import NOISE_RNGS, OPTIMIZERS, JobConfig
 
 if TYPE_CHECKING:
     from cocoon_ckpt._cli.args import Subparsers
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "job_options", "run"]
 
 
 def _default(flag: str) -> str:
@@ -40,7 +43,12 @@ def add_parser(sub: Subparsers) -> None:
         help="a built-in example job (default: mlp)",
     )
     which.add_argument(
-        "--job", default=None, help="your own job as module:function returning JobParts"
+        "--job",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="your own job: a function of the JobConfig returning JobParts, in a module "
+        "found in the current directory first (myjob.py: --job myjob:build), then on "
+        "sys.path",
     )
     which.add_argument(
         "--config",
@@ -48,6 +56,15 @@ def add_parser(sub: Subparsers) -> None:
         metavar="FILE",
         help="the whole job as JSON (the 'config' that `inspect URL --version V --json` "
         "prints); replaces the job and privacy flags below",
+    )
+    p.add_argument(
+        "--job-option",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="an entry of JobConfig.options the job reads (repeatable; part of the "
+        "fingerprint, so a resume must give the same): VALUE is JSON where it parses "
+        "(32, 0.5, true, [1,2]), else a string",
     )
     p.add_argument(
         "--store",
@@ -175,9 +192,64 @@ def add_parser(sub: Subparsers) -> None:
     add_json(p, "result")
 
 
+def _option_value(text: str) -> Any:
+    """VALUE of --job-option: JSON where it parses to a finite value, else the text."""
+
+    def finite(number: str) -> float:
+        value = float(number)
+        if not math.isfinite(value):
+            # NaN never equals itself: a resume could never match the stored options
+            raise ValueError(number)
+        return value
+
+    def refuse(constant: str) -> Any:
+        raise ValueError(constant)
+
+    try:
+        return json.loads(text, parse_float=finite, parse_constant=refuse)
+    except ValueError:  # JSONDecodeError included
+        return text
+
+
+def job_options(pairs: list[str] | None) -> dict[str, Any]:
+    """The JobConfig.options that repeated `--job-option KEY=VALUE` give.
+
+    Raises:
+        ConfigError: an entry has no `=` or an empty key, or a key is given twice.
+    """
+    options: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, eq, text = pair.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(
+                f"--job-option {pair!r} is not KEY=VALUE; write it as e.g. --job-option hidden=32"
+            )
+        if key in options:
+            raise ConfigError(
+                f"--job-option {key} is given twice ({key}={json.dumps(options[key])} and "
+                f"{pair}); give each key once"
+            )
+        options[key] = _option_value(text)
+    return options
+
+
 def run(args: argparse.Namespace) -> int:
     """Run (or resume) the job the flags describe; print its result. Exit 0."""
+    if args.job_option and args.config is not None:
+        raise ConfigError(
+            "--config sets the whole job, its options included; drop --job-option, or "
+            "set them in the file's 'options'"
+        )
+    options = job_options(args.job_option)
     config, store = train_config(args)
+    if options:
+        config = dataclasses.replace(config, options=options)
+    # A job the user named (--job, or the file of --config) is looked for in the current
+    # directory first, as `python -m` would; the console script has no cwd on sys.path.
+    # Resolved here, so a missing module or function stops the command before any write.
+    from cocoon_ckpt.train.parts import resolve
+
+    builder = None if config.job.startswith("example:") else resolve(config.job, search_cwd=True)
     # under torchrun every rank runs this; rank 0 alone shows progress and the result
     follower = os.environ.get("RANK", "0") != "0"
     progress = None
@@ -193,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
             config,
             store,
             storage_options=storage_options(args),
+            builder=builder,
             key_file=args.key_file,
             takeover=args.takeover,
             allow_fallback=args.allow_fallback,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -97,28 +100,85 @@ class JobParts:
 Builder = Callable[..., JobParts]
 
 
-def resolve(job: str) -> Builder:
+def resolve(job: str, *, search_cwd: bool = False) -> Builder:
     """The builder for `example:mlp`, `example:dlrm`, or `package.module:function`.
 
     A builder is called as `builder(config)` with the JobConfig and returns JobParts.
 
+    Args:
+        job: the job's name.
+        search_cwd: find the module in the current directory first, as `python -m`
+            would (the CLI's `train --job`: a user's `myjob.py` beside them). The
+            directory is on `sys.path` only while the module is imported (with what it
+            imports at its top), so no later import of a library can pick up a file of
+            the same name from it. Only for a job the user named: never for a name a
+            store records.
+
     Raises:
-        ValueError: the name is malformed or names nothing callable.
+        ConfigError: the name is malformed, its module cannot be found or imported, or
+            it has no callable of that name (a ValueError).
     """
     module, _, func = job.partition(":")
     if not module or not func:
-        raise ValueError(f"job {job!r} must be 'example:NAME' or 'module:function'")
+        raise ConfigError(
+            f"job {job!r} must be 'example:NAME' or 'module:function', e.g. myjob:build"
+        )
     if module == "example":
         module = f"cocoon_ckpt.examples.{func}"
         func = "build"
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as exc:
-        raise ValueError(f"job {job!r}: cannot import module {module!r} ({exc})") from exc
+        search_cwd = False  # ours, installed: nothing to find beside the user
+    with _cwd_first(search_cwd) as where:
+        mod = _import(job, module, where)
     builder = getattr(mod, func, None)
     if not callable(builder):
-        raise ValueError(f"job {job!r}: {module} has no callable {func!r}")
+        found = sorted(n for n, v in vars(mod).items() if callable(v) and not n.startswith("_"))
+        raise ConfigError(
+            f"job {job!r}: module {module} ({getattr(mod, '__file__', '?')}) has no "
+            f"function {func!r}; name one of its callables ({', '.join(found[:8]) or 'none'})"
+        )
     return builder  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def _cwd_first(on: bool) -> Iterator[str]:
+    """The current directory first on sys.path for the block (`on`), then gone again."""
+    if not on:
+        yield "on sys.path"
+        return
+    cwd = os.getcwd()
+    sys.path.insert(0, cwd)
+    # a directory listing cached before the user's file appeared would hide it
+    importlib.invalidate_caches()
+    try:
+        yield f"in the current directory {cwd} or on sys.path"
+    finally:
+        # the user's module may have changed sys.path: take out our entry only
+        if sys.path and sys.path[0] == cwd:
+            del sys.path[0]
+        elif cwd in sys.path:
+            sys.path.remove(cwd)
+
+
+def _import(job: str, module: str, where: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if module == missing or module.startswith(missing + "."):
+            file = module.replace(".", "/") + ".py"
+            raise ConfigError(
+                f"job {job!r}: cannot import module {module!r}: no {missing!r} {where}; "
+                f"run from the folder that holds {file}, or install the package that "
+                "provides it"
+            ) from None
+        raise ConfigError(
+            f"job {job!r}: cannot import module {module!r}: it imports {missing!r}, which "
+            "is not installed; install it"
+        ) from None
+    except ImportError as exc:
+        raise ConfigError(
+            f"job {job!r}: cannot import module {module!r} ({exc}); fix that import"
+        ) from None
 
 
 def make_optimizer(name: str, params: Sequence[nn.Parameter], lr: float) -> torch.optim.Optimizer:
