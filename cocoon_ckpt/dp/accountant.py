@@ -1,8 +1,9 @@
 """The privacy accountant of a run: the steps taken, the epsilon spent, its record.
 
-Also the accounting's import point: `epsilon`, `dp_event` and `AccountingMethod` live in
-`cocoon_ckpt.dp.accounting`, `noise_multiplier_for` in `cocoon_ckpt.dp.calibration`, the
-cached PLD composition in `cocoon_ckpt.dp.pld_composition`; all are importable from here.
+Also the accounting's import point: `epsilon`, `epsilon_of_event` (a stored event at any
+delta), `dp_event` and `AccountingMethod` live in `cocoon_ckpt.dp.accounting`,
+`noise_multiplier_for` in `cocoon_ckpt.dp.calibration`, the cached PLD composition in
+`cocoon_ckpt.dp.pld_composition`; all are importable from here.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from cocoon_ckpt.dp.accounting import (
     dp_event,
     epsilon,
     epsilon_if_cached,
+    epsilon_of_event,
     validate_arguments,
 )
 from cocoon_ckpt.dp.calibration import noise_multiplier_for
@@ -27,6 +29,7 @@ __all__ = [
     "clear_caches",
     "dp_event",
     "epsilon",
+    "epsilon_of_event",
     "noise_multiplier_for",
 ]
 
@@ -140,10 +143,11 @@ class Accountant:
         return acc
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the step count; refuses another mechanism's accountant."""
+        """Restore the step count; refuses another mechanism's accountant. The method is
+        not compared: it changes the reported epsilon, not the noise, so this accountant
+        reports the steps restored under its own."""
         check_state(state, "Accountant", 1)
         mine = (
-            self.method.value,
             self.noise_multiplier,
             self.dataset_size,
             self.batch_size,
@@ -151,7 +155,6 @@ class Accountant:
             self.delta,
         )
         theirs = (
-            state["method"],
             float(state["noise_multiplier"]),
             int(state["dataset_size"]),
             int(state["batch_size"]),
@@ -160,7 +163,7 @@ class Accountant:
         )
         if mine != theirs:
             raise ValueError(
-                f"accountant state is for (method, sigma, N, B, b, delta)={theirs}, this "
+                f"accountant state is for (sigma, N, B, b, delta)={theirs}, this "
                 f"accountant is {mine}"
             )
         self.steps = int(state["steps"])

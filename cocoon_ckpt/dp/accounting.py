@@ -10,14 +10,15 @@ round count.
 
 from __future__ import annotations
 
-import enum
 import math
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import dp_accounting
 from dp_accounting import pld, rdp
 
+from cocoon_ckpt.dp.accounting_method import AccountingMethod
 from cocoon_ckpt.dp.pld_composition import PLD_INTERVAL, one_round, pld_epsilon
 
 __all__ = [
@@ -26,17 +27,10 @@ __all__ = [
     "dp_event",
     "epsilon",
     "epsilon_if_cached",
+    "epsilon_of_event",
+    "event_from_record",
     "validate_arguments",
 ]
-
-
-class AccountingMethod(enum.StrEnum):
-    """Which dp-accounting accountant composes the events."""
-
-    PLD = "pld"
-    """Privacy loss distributions: tight."""
-    RDP = "rdp"
-    """Rényi DP: looser, faster."""
 
 
 def validate_arguments(
@@ -86,6 +80,71 @@ def dp_event(
         dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(noise_multiplier)),
         count,
     )
+
+
+def event_from_record(record: Mapping[str, Any]) -> dp_accounting.DpEvent:
+    """The dp-accounting event a JSON record describes, as `Accountant.event` writes it:
+    `SelfComposedDpEvent` (count, event), `PoissonSampledDpEvent` (sampling_probability,
+    event) and `GaussianDpEvent` (noise_multiplier), nested.
+
+    Raises:
+        ValueError: the record, or an event inside it, is not one of these; the message
+            names the part and what is wrong.
+    """
+    kind = record.get("type") if isinstance(record, Mapping) else None
+    inner = record.get("event") if isinstance(record, Mapping) else None
+    if kind == "GaussianDpEvent":
+        sigma = record.get("noise_multiplier")
+        if not (isinstance(sigma, (int, float)) and 0 < sigma < math.inf):
+            raise ValueError(f"GaussianDpEvent noise_multiplier={sigma!r} must be > 0")
+        return dp_accounting.GaussianDpEvent(float(sigma))
+    if kind == "PoissonSampledDpEvent":
+        q = record.get("sampling_probability")
+        if not (isinstance(q, (int, float)) and 0 <= q <= 1):
+            raise ValueError(f"PoissonSampledDpEvent sampling_probability={q!r} must lie in [0, 1]")
+        return dp_accounting.PoissonSampledDpEvent(float(q), event_from_record(inner or {}))
+    if kind == "SelfComposedDpEvent":
+        count = record.get("count")
+        if not (isinstance(count, int) and not isinstance(count, bool) and count >= 0):
+            raise ValueError(f"SelfComposedDpEvent count={count!r} must be an integer >= 0")
+        return dp_accounting.SelfComposedDpEvent(event_from_record(inner or {}), count)
+    raise ValueError(
+        f"accounting event {kind!r} is not one cocoon-ckpt records (SelfComposedDpEvent, "
+        "PoissonSampledDpEvent, GaussianDpEvent)"
+    )
+
+
+def epsilon_of_event(record: Mapping[str, Any], delta: float, method: str = "pld") -> float:
+    """epsilon at `delta` of a stored accounting event (the `event` of an accountant
+    record), at any delta, not only the run's.
+
+    The amplified-BandMF shape (k rounds of a Poisson-subsampled Gaussian) under PLD
+    takes the cached composition (`pld_composition`), which is dp-accounting's own
+    `PLDAccountant` result bit for bit; any other event, or RDP, is composed by
+    dp-accounting directly.
+
+    Raises:
+        ValueError: `delta` is not in (0, 1), or the record is not an event
+            (`event_from_record`).
+    """
+    if not 0 < delta < 1:
+        raise ValueError(f"delta={delta} must lie in (0, 1)")
+    m = AccountingMethod(method)
+    event = event_from_record(record)
+    if (
+        m is AccountingMethod.PLD
+        and isinstance(event, dp_accounting.SelfComposedDpEvent)
+        and isinstance(event.event, dp_accounting.PoissonSampledDpEvent)
+        and isinstance(event.event.event, dp_accounting.GaussianDpEvent)
+        and event.count > 0
+        and event.event.sampling_probability > 0
+    ):
+        sampled = event.event
+        sigma = sampled.event.noise_multiplier
+        return pld_epsilon(sigma, sampled.sampling_probability, event.count, delta, PLD_INTERVAL)
+    acc = _accountant(m)
+    acc.compose(event)
+    return float(acc.get_epsilon(delta))
 
 
 def _accountant(method: AccountingMethod) -> dp_accounting.PrivacyAccountant:
