@@ -47,6 +47,18 @@ def _optimizer(config: dict[str, Any], optimizer: dict[str, Any] | None) -> dict
     return out
 
 
+def _sigma_means(sigma: float, target: Any, dp: dict[str, Any], planned: int) -> str:
+    if target is None:
+        return f"sigma={sigma:g} given by the job's config"
+    method = str(dp.get("accountant", "pld")).upper()
+    return (
+        f"sigma={sigma:.6g} calibrated once, when the job started: the smallest sigma >= 0.3 "
+        f"whose epsilon after the {planned} planned steps at delta={float(dp['delta']):g} "
+        f"is <= target_epsilon={float(target):g} ({method}); recorded in the config and "
+        "reused by every resume, never recalibrated"
+    )
+
+
 def describe(
     records: dict[str, Any],
     *,
@@ -56,7 +68,7 @@ def describe(
 ) -> dict[str, Any]:
     """The guarantee of a version: neighbouring relation, N, expected B, q, sampler,
     optimizer and hyperparameters, epsilon at delta, accounting, steps done / planned,
-    threat model.
+    threat model, and where sigma came from (given, or calibrated for a target epsilon).
 
     Args:
         records: a manifest's records (config, optimizer, threat_model, mechanism).
@@ -75,6 +87,7 @@ def describe(
     q = batch * bands / n_data
     tm = records.get("threat_model", THREAT_MODEL_DEFAULT)
     rounds = math.ceil(steps_done / bands)
+    sigma, target = float(dp["noise_multiplier"]), dp.get("target_epsilon")
     return {
         "epsilon": epsilon,
         "delta": float(dp["delta"]),
@@ -95,7 +108,9 @@ def describe(
         "optimizer": _optimizer(config, records.get("optimizer")),
         "mechanism": records.get("mechanism", {}).get("mechanism", dp.get("mechanism")),
         "bands": bands,
-        "noise_multiplier": float(dp["noise_multiplier"]),
+        "noise_multiplier": sigma,
+        "target_epsilon": None if target is None else float(target),
+        "noise_multiplier_means": _sigma_means(sigma, target, dp, planned),
         "max_grad_norm": float(dp["max_grad_norm"]),
         "accounting_method": accounting_method,
         "accounting": f"amplified BandMF: Poisson-subsampled Gaussian with q = B b / N = "

@@ -1,28 +1,39 @@
-"""Job configuration, its fingerprint, and the resume compatibility check."""
+"""Job configuration: `DPConfig` (the privacy-relevant part) and `JobConfig` (the whole
+job), read from and written to config records. The fingerprint and the resume check
+live in `train.fingerprint` and are importable from here."""
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from cocoon_ckpt.dp import _validate as valid
+from cocoon_ckpt.dp.accounting_method import AccountingMethod
 from cocoon_ckpt.dp.mechanism import MechanismKind
 from cocoon_ckpt.embedding.config import EmbeddingConfig
-from cocoon_ckpt.errors import ConfigError, ConfigMismatchError
+from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.tiers.config import TierConfig
+from cocoon_ckpt.train.fingerprint import (
+    HARMLESS_FIELDS,
+    HARMLESS_SECTIONS,
+    check_resume,
+    config_differences,
+    fingerprint,
+)
 
 if TYPE_CHECKING:
     from cocoon_ckpt.dp.generator import NoiseRng
 
 __all__ = [
+    "ACCOUNTANTS",
     "HARMLESS_FIELDS",
+    "HARMLESS_SECTIONS",
     "NOISE_RNGS",
     "OPTIMIZERS",
     "DPConfig",
     "JobConfig",
+    "check_resume",
     "config_differences",
     "fingerprint",
     "section_from_record",
@@ -30,19 +41,9 @@ __all__ = [
 
 _S = TypeVar("_S")
 
-#: Fields a resume may change: they affect neither the noise nor the parameters.
-HARMLESS_FIELDS = frozenset(
-    {
-        "checkpoint_every",
-        "keep_last",
-        "async_checkpoint",
-        "log_level",
-        "tile_rows",
-        "overlap_noise",
-        "lease_expiry_s",
-    }
-)
 _MECHANISMS = tuple(m.value for m in MechanismKind)
+#: `DPConfig.accountant`'s values.
+ACCOUNTANTS = tuple(m.value for m in AccountingMethod)
 _LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "NOTSET")
 
 #: `JobConfig.optimizer`'s values: the torch.optim optimizers by class name in lower case
@@ -69,9 +70,6 @@ OPTIMIZERS = (
 #: `NoiseRng`'s values (dp.generator imports torch; the config is read without it).
 NOISE_RNGS = ("default", "secure")
 
-#: Whole sections a resume may change: where the history lives never changes the noise.
-HARMLESS_SECTIONS = frozenset({"tiers"})
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DPConfig:
@@ -83,8 +81,19 @@ class DPConfig:
     """B, expected batch size (Poisson sampling)."""
     dataset_size: int
     """N, examples in the training set."""
-    noise_multiplier: float
-    """sigma: fresh noise std is sigma * max_grad_norm."""
+    noise_multiplier: float | None = None
+    """sigma: fresh noise std is sigma * max_grad_norm. Give it or `target_epsilon`, not
+    both; with a target it is None until the job's start calibrates it (`sigma` reads it
+    either way)."""
+    target_epsilon: float | None = None
+    """The epsilon at `delta` the whole job (`steps` steps) must stay within: sigma is
+    calibrated once at job start (the smallest sigma >= 0.3 that meets it under
+    `accountant`) and recorded beside it, so every resume reuses it. A calibrated config
+    (and its record) carries both fields."""
+    accountant: AccountingMethod | str = AccountingMethod.PLD
+    """How epsilon is composed (`pld`: tight; `rdp`: looser), for the calibration and the
+    reported epsilon. Fingerprinted only with `target_epsilon`, where it chose sigma;
+    otherwise it changes the reported epsilon only, and a resume may change it."""
     max_grad_norm: float = 1.0
     """Per-sample clipping norm (L2)."""
     bands: int = 1
@@ -103,8 +112,11 @@ class DPConfig:
     noise_rng: NoiseRng | str = "default"
     """Which generator draws the fresh noise (`cocoon_ckpt.dp.generator.NoiseRng`, or
     its value): `default` (numpy SFC64) or `secure` (ChaCha20). Kept as its value."""
+    calibrated: InitVar[bool] = False
+    """Not a field: True lets `noise_multiplier` and `target_epsilon` both be given, as a
+    calibrated config carries them (`from_record` passes it for a record holding both)."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, calibrated: bool) -> None:
         valid.integer("DPConfig.steps", self.steps, 1, valid.MAX_STEPS)
         valid.integer("DPConfig.bands", self.bands, 1, valid.MAX_STEPS)
         valid.check(
@@ -119,7 +131,7 @@ class DPConfig:
             f"satisfy batch_size * bands <= dataset_size={self.dataset_size} (bands="
             f"{self.bands}: the data is split into b partitions of N / b examples)",
         )
-        valid.positive_real("DPConfig.noise_multiplier", self.noise_multiplier)
+        self._check_noise(calibrated)
         valid.positive_real("DPConfig.max_grad_norm", self.max_grad_norm)
         valid.real_between("DPConfig.delta", self.delta, 0.0, 1.0)
         # seed + 1 seeds the examples' data; numpy wants a non-negative seed
@@ -138,16 +150,72 @@ class DPConfig:
         valid.text("DPConfig.noise_rng", self.noise_rng, NOISE_RNGS)
         object.__setattr__(self, "noise_rng", str(self.noise_rng))
 
+    def _check_noise(self, calibrated: bool) -> None:
+        """Exactly one of sigma and the target, unless calibrated (both); the accountant."""
+        sigma, target = self.noise_multiplier, self.target_epsilon
+        if sigma is None and target is None:
+            raise ConfigError(
+                "DPConfig: missing field noise_multiplier (sigma) or target_epsilon (the "
+                "epsilon to calibrate sigma for); give one of the two"
+            )
+        if sigma is not None:
+            valid.positive_real("DPConfig.noise_multiplier", sigma)
+        if target is not None:
+            valid.positive_real("DPConfig.target_epsilon", target)
+        valid.check(
+            sigma is None or target is None or calibrated,
+            "DPConfig.noise_multiplier",
+            sigma,
+            f"be None when target_epsilon={target} is given: sigma is calibrated for the "
+            "target at job start; give one of the two",
+        )
+        valid.check(
+            not calibrated or (sigma is not None and target is not None),
+            "DPConfig.calibrated",
+            calibrated,
+            f"come with both noise_multiplier and target_epsilon (noise_multiplier={sigma}, "
+            f"target_epsilon={target})",
+        )
+        valid.text("DPConfig.accountant", self.accountant, ACCOUNTANTS)
+        object.__setattr__(self, "accountant", AccountingMethod(self.accountant))
+
+    @property
+    def sigma(self) -> float:
+        """The noise multiplier that runs: given, or calibrated for `target_epsilon`.
+
+        Raises:
+            ConfigError: `target_epsilon` is given and not calibrated yet.
+        """
+        if self.noise_multiplier is None:
+            raise ConfigError(
+                f"DPConfig.target_epsilon={self.target_epsilon} is not calibrated yet, so "
+                "there is no noise_multiplier: open the job with open_job or run_job (they "
+                "calibrate it once and record it), or pass the config through "
+                "cocoon_ckpt.train.target_epsilon.calibrated_job first"
+            )
+        return self.noise_multiplier
+
+    @property
+    def is_calibrated(self) -> bool:
+        """sigma was calibrated for `target_epsilon` (the config carries both)."""
+        return self.target_epsilon is not None and self.noise_multiplier is not None
+
     def to_record(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["mechanism"] = self.mechanism.value
         d["noise_rng"] = str(self.noise_rng)
+        d["accountant"] = str(self.accountant)
         return d
 
     @classmethod
     def from_record(cls, d: dict[str, Any]) -> DPConfig:
-        """The config a record describes (ConfigError naming a missing or unknown field)."""
-        return cls(**_fields(cls, d, "dp"))
+        """The config a record describes (ConfigError naming a missing or unknown field).
+
+        A record that holds both `noise_multiplier` and `target_epsilon` is a calibrated
+        config's: it is read as one, never recalibrated."""
+        d = _fields(cls, d, "dp")
+        both = d.get("noise_multiplier") is not None and d.get("target_epsilon") is not None
+        return cls(**d, calibrated=both)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -299,88 +367,3 @@ def _fields(cls: type, d: Any, where: str) -> dict[str, Any]:
     if missing:
         raise ConfigError(f"{where}: missing field(s) {', '.join(missing)} of {cls.__name__}")
     return dict(d)
-
-
-def _flat(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in record.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-#: Sections and fields added after the first release, with the value their absence from
-#: an older record means: at that value they are left out, so older stores keep their
-#: fingerprints and resume.
-_ADDED = {"embedding": None, "dp.physical_batch_size": None, "dp.noise_rng": "default"}
-
-
-def _relevant(record: dict[str, Any]) -> dict[str, Any]:
-    return {
-        k: v
-        for k, v in _flat(record).items()
-        if k.split(".")[-1] not in HARMLESS_FIELDS
-        and k.split(".")[0] not in HARMLESS_SECTIONS
-        and not (k in _ADDED and v == _ADDED[k])
-    }
-
-
-def fingerprint(
-    record: dict[str, Any],
-    model_shapes: dict[str, list[int]],
-    identity: dict[str, Any] | None = None,
-) -> str:
-    """sha256 over the fields that change the noise or the parameters, the shapes, and
-    (given) the job's identity from its real objects (`train.identity`: optimizer,
-    scheduler, dataset); without it, the fingerprint of stores written before it."""
-    doc: dict[str, Any] = {"config": _relevant(record), "model_shapes": model_shapes}
-    if identity is not None:
-        doc["identity"] = identity
-    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
-
-
-def _shown(relevant: dict[str, Any], k: str) -> Any:
-    """A field's value in a difference: an added field left out means its default."""
-    return relevant.get(k, _ADDED[k] if k in _ADDED else "<absent>")
-
-
-def config_differences(
-    stored: dict[str, Any],
-    now: dict[str, Any],
-    stored_shapes: dict[str, list[int]] | None = None,
-    now_shapes: dict[str, list[int]] | None = None,
-) -> list[str]:
-    """One line per noise- or result-affecting difference between two config records."""
-    a, b = _relevant(stored), _relevant(now)
-    diffs = [
-        f"{k}: stored {_shown(a, k)!r}, now {_shown(b, k)!r}"
-        for k in sorted(set(a) | set(b))
-        if a.get(k) != b.get(k)
-    ]
-    if stored_shapes is not None and now_shapes is not None and stored_shapes != now_shapes:
-        for k in sorted(set(stored_shapes) | set(now_shapes)):
-            if stored_shapes.get(k) != now_shapes.get(k):
-                diffs.append(
-                    f"model shape {k}: stored {stored_shapes.get(k)}, now {now_shapes.get(k)}"
-                )
-    return diffs
-
-
-def check_resume(
-    stored: dict[str, Any],
-    now: dict[str, Any],
-    stored_shapes: dict[str, list[int]],
-    now_shapes: dict[str, list[int]],
-    where: str,
-) -> None:
-    """Raise ConfigMismatchError listing every difference that would change the noise."""
-    diffs = config_differences(stored, now, stored_shapes, now_shapes)
-    if diffs:
-        raise ConfigMismatchError(
-            f"{where} was written by a job with another configuration; resuming would add "
-            "different noise. Differences: " + "; ".join(diffs) + ". Use the stored "
-            "configuration, or a new store for the new job",
-            diffs,
-        )

@@ -50,7 +50,13 @@ def start_job(
     key, and (single process) the trainer, built, checked and restored.
 
     A writer that commits between the checks and the lease (possible with `takeover`)
-    is caught: the checks run again, lease held, against its version."""
+    is caught: the checks run again, lease held, against its version.
+
+    Raises:
+        ConfigError: `config.dp.target_epsilon` is not calibrated yet (`open_job`
+            calibrates it: `train.target_epsilon.calibrated_job`), before anything opens.
+    """
+    _ = config.dp.sigma  # the noise multiplier that will run, given or calibrated
     store = _open_existing(store_url, storage_options, fs)
     try:
         for _ in range(2):

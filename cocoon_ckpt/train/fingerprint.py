@@ -1,0 +1,137 @@
+"""The job fingerprint and the resume compatibility check: which config fields change the
+noise or the parameters, their digest, and the differences a resume is refused for.
+
+It works on config records (`JobConfig.to_record()`), so readers that never build a
+config (audit, export) compute the same fingerprint the writer stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from cocoon_ckpt.errors import ConfigMismatchError
+
+__all__ = [
+    "HARMLESS_FIELDS",
+    "HARMLESS_SECTIONS",
+    "check_resume",
+    "config_differences",
+    "fingerprint",
+]
+
+#: Fields a resume may change: they affect neither the noise nor the parameters.
+HARMLESS_FIELDS = frozenset(
+    {
+        "checkpoint_every",
+        "keep_last",
+        "async_checkpoint",
+        "log_level",
+        "tile_rows",
+        "overlap_noise",
+        "lease_expiry_s",
+    }
+)
+
+#: Whole sections a resume may change: where the history lives never changes the noise.
+HARMLESS_SECTIONS = frozenset({"tiers"})
+
+#: Sections and fields added after the first release, with the value their absence from
+#: an older record means: at that value they are left out, so older stores keep their
+#: fingerprints and resume.
+_ADDED = {
+    "embedding": None,
+    "dp.physical_batch_size": None,
+    "dp.noise_rng": "default",
+    "dp.target_epsilon": None,
+    "dp.accountant": "pld",
+}
+
+
+def _flat(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in record.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _relevant(record: dict[str, Any]) -> dict[str, Any]:
+    flat = _flat(record)
+    # The accountant changes the noise only through the calibration of sigma for a
+    # target epsilon; without a target it only changes the reported epsilon, a view of
+    # the same run that a resume may change.
+    calibrated = flat.get("dp.target_epsilon") is not None
+    return {
+        k: v
+        for k, v in flat.items()
+        if k.split(".")[-1] not in HARMLESS_FIELDS
+        and k.split(".")[0] not in HARMLESS_SECTIONS
+        and not (k in _ADDED and v == _ADDED[k])
+        and (k != "dp.accountant" or calibrated)
+    }
+
+
+def fingerprint(
+    record: dict[str, Any],
+    model_shapes: dict[str, list[int]],
+    identity: dict[str, Any] | None = None,
+) -> str:
+    """sha256 over the fields that change the noise or the parameters, the shapes, and
+    (given) the job's identity from its real objects (`train.identity`: optimizer,
+    scheduler, dataset); without it, the fingerprint of stores written before it.
+
+    A calibrated config counts both its target epsilon (with the accountant that
+    calibrated it) and the sigma it gave: the record says what was asked and what ran."""
+    doc: dict[str, Any] = {"config": _relevant(record), "model_shapes": model_shapes}
+    if identity is not None:
+        doc["identity"] = identity
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def _shown(relevant: dict[str, Any], k: str) -> Any:
+    """A field's value in a difference: an added field left out means its default."""
+    return relevant.get(k, _ADDED[k] if k in _ADDED else "<absent>")
+
+
+def config_differences(
+    stored: dict[str, Any],
+    now: dict[str, Any],
+    stored_shapes: dict[str, list[int]] | None = None,
+    now_shapes: dict[str, list[int]] | None = None,
+) -> list[str]:
+    """One line per noise- or result-affecting difference between two config records."""
+    a, b = _relevant(stored), _relevant(now)
+    diffs = [
+        f"{k}: stored {_shown(a, k)!r}, now {_shown(b, k)!r}"
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k)
+    ]
+    if stored_shapes is not None and now_shapes is not None and stored_shapes != now_shapes:
+        for k in sorted(set(stored_shapes) | set(now_shapes)):
+            if stored_shapes.get(k) != now_shapes.get(k):
+                diffs.append(
+                    f"model shape {k}: stored {stored_shapes.get(k)}, now {now_shapes.get(k)}"
+                )
+    return diffs
+
+
+def check_resume(
+    stored: dict[str, Any],
+    now: dict[str, Any],
+    stored_shapes: dict[str, list[int]],
+    now_shapes: dict[str, list[int]],
+    where: str,
+) -> None:
+    """Raise ConfigMismatchError listing every difference that would change the noise."""
+    diffs = config_differences(stored, now, stored_shapes, now_shapes)
+    if diffs:
+        raise ConfigMismatchError(
+            f"{where} was written by a job with another configuration; resuming would add "
+            "different noise. Differences: " + "; ".join(diffs) + ". Use the stored "
+            "configuration, or a new store for the new job",
+            diffs,
+        )

@@ -1,0 +1,150 @@
+"""Target epsilon: sigma calibrated once when a job starts, recorded, reused on resume.
+
+A config with `DPConfig.target_epsilon` names the privacy the whole job must meet. The
+noise multiplier that meets it is found once, when the job starts on a store without
+versions (`dp.calibration.noise_multiplier_for`, about 1 s), and the config record
+carries it beside the target. A resume takes it from the store's newest version and
+never recalibrates, so the noise cannot move with the accounting code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from cocoon_ckpt.dp.accountant import epsilon, noise_multiplier_for
+from cocoon_ckpt.errors import ConfigError
+from cocoon_ckpt.train.config import DPConfig, JobConfig
+from cocoon_ckpt.train.fingerprint import check_resume
+from cocoon_ckpt.train.resume import malformed_version
+from state import Store, StoreNotFoundError
+
+__all__ = ["calibrate", "calibrated_job", "check_target", "resolve"]
+
+#: The dp fields the calibration reads, with the value an older record's absence means.
+_INPUTS: dict[str, Any] = {
+    "target_epsilon": None,
+    "accountant": "pld",
+    "steps": None,
+    "batch_size": None,
+    "dataset_size": None,
+    "bands": 1,
+    "delta": 1e-5,
+}
+
+
+def calibrate(dp: DPConfig) -> DPConfig:
+    """`dp` with sigma calibrated for its target: the smallest sigma >= 0.3 whose epsilon
+    after `dp.steps` steps at `dp.delta` is <= `dp.target_epsilon` under `dp.accountant`.
+    A config that has sigma already is returned as it is.
+
+    Raises:
+        PrivacyBudgetError: no sigma >= 0.3 reaches the target.
+    """
+    if dp.noise_multiplier is not None or dp.target_epsilon is None:
+        return dp
+    sigma = noise_multiplier_for(
+        dp.target_epsilon,
+        dp.dataset_size,
+        dp.batch_size,
+        dp.steps,
+        dp.bands,
+        dp.delta,
+        str(dp.accountant),
+    )
+    return dataclasses.replace(dp, noise_multiplier=sigma, calibrated=True)
+
+
+def check_target(dp: DPConfig) -> None:
+    """Refuse a calibrated config whose sigma does not meet its target (a record edited
+    by hand, or a target changed beside a kept sigma).
+
+    Raises:
+        ConfigError: epsilon after `dp.steps` steps exceeds `dp.target_epsilon`.
+    """
+    if not dp.is_calibrated or dp.target_epsilon is None:
+        return
+    spent = epsilon(
+        dp.sigma, dp.dataset_size, dp.batch_size, dp.steps, dp.bands, dp.delta, str(dp.accountant)
+    )
+    if spent > dp.target_epsilon:
+        raise ConfigError(
+            f"DPConfig.noise_multiplier={dp.sigma} gives epsilon={spent:.6g} after "
+            f"{dp.steps} steps, above target_epsilon={dp.target_epsilon}; drop "
+            "noise_multiplier so the job calibrates it"
+        )
+
+
+def _inputs(dp_record: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(dp_record.get(k, default) for k, default in _INPUTS.items())
+
+
+def resolve(config: JobConfig, stored: dict[str, Any] | None, where: str) -> JobConfig:
+    """`config` with its sigma decided: calibrated for a fresh job (`stored` None), or the
+    sigma of `stored`, the config record of the version a resume continues.
+
+    Args:
+        config: the job; one without a target is returned as it is.
+        stored: the resumed version's config record, or None for a fresh job.
+        where: the store and version, for messages.
+
+    Raises:
+        ConfigMismatchError: a resume changes what the calibration reads (the target,
+            the accountant, steps, B, N, b or delta), listing each difference.
+        ConfigError: a calibrated config's sigma does not meet its target.
+        PrivacyBudgetError: no sigma >= 0.3 reaches the target.
+        KeyError, TypeError, AttributeError: `stored` is not a config record.
+    """
+    dp = config.dp
+    if dp.target_epsilon is None:
+        return config
+    if stored is None:
+        check_target(dp)
+        return dataclasses.replace(config, dp=calibrate(dp))
+    if dp.noise_multiplier is not None:
+        return config  # calibrated already: the start compares it with the stored config
+    stored_dp = stored["dp"]
+    sigma = stored_dp.get("noise_multiplier")
+    if _inputs(stored_dp) == _inputs(dp.to_record()) and isinstance(sigma, (int, float)):
+        return dataclasses.replace(
+            config, dp=dataclasses.replace(dp, noise_multiplier=float(sigma), calibrated=True)
+        )
+    # Refused: the listing names what was asked differently; sigma would only follow.
+    asked = config.to_record()
+    asked["dp"]["noise_multiplier"] = sigma
+    check_resume(stored, asked, {}, {}, where)
+    return dataclasses.replace(config, dp=calibrate(dp))
+
+
+def calibrated_job(
+    config: JobConfig,
+    store_url: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    fs: Any = None,
+    allow_fallback: bool = False,
+) -> JobConfig:
+    """`config` with its sigma decided against the store at `store_url` (see `resolve`):
+    calibrated when the store has no version, else the newest version's. Opens nothing
+    for a config without a target, and writes nothing.
+
+    Raises:
+        As `resolve`; CorruptVersionError: the newest version cannot be read and
+        `allow_fallback` is off, or its config record is malformed.
+    """
+    if config.dp.target_epsilon is None:
+        return config
+    try:
+        store = Store.open(store_url, storage_options=storage_options, fs=fs, create=False)
+    except StoreNotFoundError:
+        return resolve(config, None, store_url)
+    # Only the config record is read: every version of a store carries the same sigma,
+    # and the start that follows verifies the version it resumes.
+    latest = store.latest(verify=False, allow_fallback=allow_fallback) if store.versions() else None
+    if latest is None:
+        return resolve(config, None, store.url)
+    where = f"{store.url} (version {latest.version})"
+    try:
+        return resolve(config, latest.records["config"], where)
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise malformed_version(store, latest, exc) from None
