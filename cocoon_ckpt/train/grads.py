@@ -116,6 +116,13 @@ class PerSampleGrads:
         self.sizes = [params[k].numel() for k in self.param_names]
         self.dim = sum(self.sizes)
         self.dtype = torch.float64 if torch.float64 in dtypes else torch.float32
+        # Looked up once: a module keeps its Parameter objects (`.to()` and an in-place
+        # `load_state_dict` change their data, not them); buffers are read per step.
+        self._dense = [params[k] for k in self.param_names]
+        skip = set(self.param_names) | set(self.table_names)
+        self._frozen = {k: p for k, p in params.items() if k not in skip}
+        self._tables = [params[k] for k in self.table_names]
+        self._aliases = _tied_aliases(model)
         self._fns: dict[int, Callable[..., Any]] = {}
 
     def clipped_sum(
@@ -147,24 +154,20 @@ class PerSampleGrads:
             raise ValueError(
                 f"batch tensors disagree on the number of examples: {[d.shape[0] for d in batch]}"
             )
-        named = dict(self.model.named_parameters())
-        device = named[self.param_names[0]].device if self.param_names else None
-        params = {k: named[k].detach() for k in self.param_names}
-        skip = set(self.param_names) | set(self.table_names)
-        frozen = {k: p.detach() for k, p in named.items() if k not in skip}
-        buffers = {**dict(self.model.named_buffers()), **frozen}
+        device = self._dense[0].device if self._dense else None
+        params = {k: p.detach() for k, p in zip(self.param_names, self._dense, strict=True)}
+        buffers = dict(self.model.named_buffers())
+        buffers.update((k, p.detach()) for k, p in self._frozen.items())
         if n == 0:
             return ClippedSum(
                 torch.zeros(self.dim, dtype=self.dtype, device=device),
                 float("nan"),
                 [
                     (
-                        torch.zeros(0, dtype=torch.int64, device=named[k].device),
-                        torch.zeros(
-                            0, named[k].shape[1], dtype=named[k].dtype, device=named[k].device
-                        ),
+                        torch.zeros(0, dtype=torch.int64, device=t.device),
+                        torch.zeros(0, t.shape[1], dtype=t.dtype, device=t.device),
                     )
-                    for k in self.table_names
+                    for t in self._tables
                 ],
             )
         step = n if physical_batch_size is None else physical_batch_size
@@ -191,7 +194,9 @@ class PerSampleGrads:
             for i in range(len(self.tables))
         ]
         # per-sample losses come with the gradients: no second forward pass for the report
-        return ClippedSum(summed, float(torch.cat(losses).mean()), tables)
+        # (one chunk's losses are averaged as they are: a cat of one copies the same bits)
+        loss = losses[0] if len(losses) == 1 else torch.cat(losses)
+        return ClippedSum(summed, float(loss.mean()), tables)
 
     def _chunk(
         self,
@@ -253,13 +258,20 @@ class PerSampleGrads:
     def _vmapped(self, n_data: int) -> Callable[..., Any]:
         if self.tables:
             return sparse_per_sample(self.model, self.loss_fn, self.tables, n_data)
-        model, loss_fn = self.model, self.loss_fn
+        model, loss_fn, aliases = self.model, self.loss_fn, self._aliases
 
         def loss_one(
             p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], *xy: torch.Tensor
         ) -> torch.Tensor:
-            inputs = [x.unsqueeze(0) for x in xy[:-1]]
-            out = functional_call(model, (p, b), tuple(inputs))
+            inputs = tuple(x.unsqueeze(0) for x in xy[:-1])
+            values = {**p, **b}
+            # Tied names get their tensor's value here, so functional_call need not
+            # rebuild the module's tie map on every call (tie_weights=True does, at a
+            # cost comparable to a small model's forward pass); the same substitution.
+            for name, others in aliases:
+                if name in values:
+                    values.update(dict.fromkeys(others, values[name]))
+            out = functional_call(model, values, inputs, tie_weights=False)
             return loss_fn(out, xy[-1].unsqueeze(0))
 
         return vmap(
@@ -267,3 +279,16 @@ class PerSampleGrads:
             in_dims=(None, None, *([0] * n_data)),
             randomness="different",
         )
+
+
+def _tied_aliases(model: nn.Module) -> list[tuple[str, list[str]]]:
+    """Per tensor the module holds under several names (tied weights): the name
+    `named_parameters()`/`named_buffers()` give it, and its other names."""
+    names: dict[int, list[str]] = {}
+    for named in (
+        model.named_parameters(remove_duplicate=False),
+        model.named_buffers(remove_duplicate=False),
+    ):
+        for k, t in named:
+            names.setdefault(id(t), []).append(k)
+    return [(ks[0], ks[1:]) for ks in names.values() if len(ks) > 1]
