@@ -1,6 +1,13 @@
 """What a job really runs, read from its objects: the optimizer's class and every
 param_group hyperparameter, the scheduler's class and initial state, the dataset's size
-and a digest of a seeded sample of its examples.
+and a digest of a seeded sample of its examples, and the device type the model runs on.
+
+The device type is recorded only when it is not the CPU (`device`: {"type": "cuda"});
+a record without it means the CPU, so the stores written before it keep their
+fingerprints and resume on the CPU. Per-sample gradients on another device type differ
+in the last bits, so a resume on another is refused like any other difference, unless
+the caller allows a device change (`identity_differences(allow_device_change=True)`);
+the noise itself is the same on every device type (`train.device`).
 
 Taken when the trainer is built (before a resume loads anything), recorded in every
 version (`identity`) and compared on resume: a difference is refused, listed item by
@@ -15,7 +22,7 @@ import hashlib
 import math
 import random
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -25,6 +32,7 @@ from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.records import IdentityRecord
 
 __all__ = [
+    "DEVICE_DEFAULT",
     "DIGEST_EXAMPLES",
     "check_config_optimizer",
     "dataset_digest",
@@ -34,6 +42,8 @@ __all__ = [
 
 #: Examples hashed for the dataset's content digest (a seeded sample: cheap for any N).
 DIGEST_EXAMPLES = 16
+#: The device type a record without `device` ran on (stores written before it).
+DEVICE_DEFAULT = "cpu"
 
 
 def _qualname(obj: object) -> str:
@@ -108,19 +118,33 @@ def job_identity(
     dataset: Dataset[Any],
     size: int,
     seed: int,
+    device: torch.device | None = None,
 ) -> IdentityRecord:
-    """The identity of a job's real objects, as built (before any step or resume)."""
+    """The identity of a job's real objects, as built (before any step or resume).
+
+    Args:
+        optimizer, scheduler: the job's optimizer and LR scheduler (None: none).
+        dataset, size, seed: the training set, its size and the job's seed (the digest's
+            sample).
+        device: the model's device (`train.device.model_device`; None: the CPU); its type
+            is recorded when it is not the CPU.
+    """
     groups = [
         {**{k: _jsonable(v) for k, v in g.items() if k != "params"}, "params": len(g["params"])}
         for g in optimizer.param_groups
     ]
-    return {
+    record: dict[str, Any] = {
         "optimizer": {"class": _qualname(optimizer), "param_groups": groups},
         "scheduler": None
         if scheduler is None
         else {"class": _qualname(scheduler), "state": _jsonable(scheduler.state_dict())},
         "dataset": {"size": size, "digest": dataset_digest(dataset, size, seed)},
     }
+    kind = DEVICE_DEFAULT if device is None else torch.device(device).type
+    if kind != DEVICE_DEFAULT:
+        record["device"] = {"type": kind}
+    # IdentityRecord does not name `device` yet (records.py); the key is optional
+    return cast(IdentityRecord, record)
 
 
 def _flat(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
@@ -135,10 +159,23 @@ def _flat(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def identity_differences(stored: IdentityRecord, now: IdentityRecord) -> list[str]:
+def identity_differences(
+    stored: IdentityRecord, now: IdentityRecord, *, allow_device_change: bool = False
+) -> list[str]:
     """One line per difference, e.g. `optimizer.param_groups[0].momentum: stored 0.9,
-    now 0.0`."""
+    now 0.0` or `device.type: stored 'cpu', now 'cuda'` (a record without `device`
+    ran on the CPU).
+
+    Args:
+        stored, now: the version's identity and this job's.
+        allow_device_change: leave the device type out (a resume on another device type
+            the caller accepts: the noise is the same, parameters differ in the last bits).
+    """
     a, b = _flat(dict(stored), "", {}), _flat(dict(now), "", {})
+    for flat in (a, b):
+        flat.setdefault("device.type", DEVICE_DEFAULT)
+    if allow_device_change:
+        del a["device.type"], b["device.type"]
     return [
         f"{k}: stored {a.get(k, '<absent>')!r}, now {b.get(k, '<absent>')!r}"
         for k in sorted(set(a) | set(b))

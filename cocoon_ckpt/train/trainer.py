@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,11 +24,13 @@ from cocoon_ckpt.tiers.build import build_history
 from cocoon_ckpt.tiers.config import TierConfig
 from cocoon_ckpt.train.config import DPConfig
 from cocoon_ckpt.train.data import Batch
+from cocoon_ckpt.train.device import batch_to, model_device
 from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.grads import PerSampleGrads
 from cocoon_ckpt.train.identity import job_identity
 from cocoon_ckpt.train.job_data import JobData
-from cocoon_ckpt.train.lr_schedule import lr_schedule_ahead
+from cocoon_ckpt.train.noisy_grads import NoisyGradients
+from cocoon_ckpt.train.table_noise import table_noise
 from cocoon_ckpt.train.trainer_state import (
     TRAINER_SCHEMA,
     TrainerState,
@@ -73,10 +74,11 @@ class StepResult:
 class DPTrainer:
     """Trains `model` with b-banded correlated noise.
 
-    Each step: sample the batch of step t, take per-sample gradients with
-    `torch.func.vmap(grad(...))` (in chunks of at most `config.physical_batch_size`),
-    clip each to `max_grad_norm`, sum, add w_t (std sigma * clip), divide by the
-    expected batch size, step the optimizer, then the LR scheduler.
+    Each step: sample the batch of step t, move it to the model's device, take
+    per-sample gradients with `torch.func.vmap(grad(...))` (in chunks of at most
+    `config.physical_batch_size`), clip each to `max_grad_norm`, sum, add w_t (std
+    sigma * clip; drawn on the host and copied to the model's device: `train.device`),
+    divide by the expected batch size, step the optimizer, then the LR scheduler.
 
     Args:
         model: any nn.Module torch.func can take per-sample gradients of.
@@ -100,7 +102,8 @@ class DPTrainer:
             taken (bit-identical either way; pays where both release the GIL).
         scheduler: an LR scheduler of `optimizer`, stepped once per DP step after it.
         stateful: other state checkpointed with the trainer's, by name (EMA, counters).
-        num_workers, pin_memory, collate_fn: passed to the DataLoader of `loader()`.
+        num_workers, pin_memory, collate_fn: passed to the DataLoader of `loader()`;
+            pin_memory None pins batches when the model is on a CUDA device.
     """
 
     def __init__(
@@ -122,7 +125,7 @@ class DPTrainer:
         scheduler: Any = None,
         stateful: Mapping[str, Any] | None = None,
         num_workers: int = 0,
-        pin_memory: bool = False,
+        pin_memory: bool | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
     ) -> None:
         tables = tuple(embedding.tables) if embedding is not None else ()
@@ -136,6 +139,9 @@ class DPTrainer:
             k for k, p in model.named_parameters() if p.requires_grad and k not in names
         ]
         self.grads = PerSampleGrads(model, loss_fn, self.param_names, tables=tables)
+        self.device = model_device(model, self.param_names)
+        if pin_memory is None:
+            pin_memory = self.device.type == "cuda"
         self.data = JobData(
             data,
             config.dataset_size,
@@ -164,9 +170,8 @@ class DPTrainer:
         self.stateful = dict(stateful or {})
         self.config = config
         self.mechanism = mechanism or build_mechanism(config)
-        params = dict(model.named_parameters())
-        self._sizes = [params[k].numel() for k in self.param_names]
-        self.dim = sum(self._sizes)
+        self._noisy = NoisyGradients(model, self.param_names, config.batch_size)
+        self.dim = sum(self._noisy.sizes)
         noise_dtype = "float64" if self.grads.dtype == torch.float64 else "float32"
         self.dist = dist
         start, stop = dist.bounds(self.dim) if dist is not None else (0, self.dim)
@@ -175,7 +180,7 @@ class DPTrainer:
             self.mechanism,
             self.dim,
             noise_key,
-            config.noise_multiplier * config.max_grad_norm,
+            config.sigma * config.max_grad_norm,
             noise_dtype,
             start=start,
             stop=stop,
@@ -189,7 +194,7 @@ class DPTrainer:
             seed=config.seed,
         )
         self.accountant = Accountant(
-            noise_multiplier=config.noise_multiplier,
+            noise_multiplier=config.sigma,
             dataset_size=config.dataset_size,
             batch_size=config.batch_size,
             bands=config.bands,
@@ -197,7 +202,7 @@ class DPTrainer:
         )
         # what really runs, as built (a resume compares it before loading anything)
         self.identity = job_identity(
-            optimizer, scheduler, self.dataset, self.data.size, config.seed
+            optimizer, scheduler, self.dataset, self.data.size, config.seed, self.device
         )
         self.step_index = 0
         self.last_noise: torch.Tensor | None = None
@@ -209,26 +214,16 @@ class DPTrainer:
         self.embedding: EmbeddingNoise | None = None
         self._table_grads: list[tuple[torch.Tensor, torch.Tensor]] = []
         if embedding is not None:
-            if scheduler is not None:
-                rates = lr_schedule_ahead(
-                    optimizer, scheduler, [params[s.param] for s in tables], config.steps
-                )
-                if embedding.lr_schedule not in (None, rates):
-                    raise ConfigError(
-                        "EmbeddingConfig.lr_schedule differs from the rates JobParts.scheduler "
-                        "gives the tables: drop lr_schedule (it is read from the scheduler)"
-                    )
-                embedding = dataclasses.replace(embedding, lr_schedule=rates)
-            self.embedding = EmbeddingNoise(
+            self.embedding = table_noise(
                 embedding,
                 model,
                 optimizer,
+                scheduler,
                 self.data.tensors,
                 self.sampler.schedule(config.steps),
                 self.mechanism,
                 noise_key,
-                config.noise_multiplier * config.max_grad_norm,
-                config.batch_size,
+                config,
                 table_plans,
                 table_tiers,
             )
@@ -282,6 +277,7 @@ class DPTrainer:
                 "iterate trainer.loader() (it starts at the trainer's step), or pass no batch"
             )
         mine = len(batch)
+        batch = batch_to(batch, self.device)
         if self.embedding is not None:
             self.embedding.before_step(t)  # pending noise of the rows this step reads
         if self._noise_pool is not None:
@@ -299,14 +295,15 @@ class DPTrainer:
             summed = self.dist.sum_in_rank_order(summed)
             w = self.dist.gather_noise(w, self.dim)
             sums = self.dist.sum_in_rank_order(
-                torch.tensor([0.0 if mine == 0 else loss * mine, float(mine)], dtype=torch.float64)
+                torch.tensor(
+                    [0.0 if mine == 0 else loss * mine, float(mine)],
+                    dtype=torch.float64,
+                    device=summed.device,
+                )
             )
             loss = float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
         self.last_noise = w  # w_t of the step just taken (for traces; not copied)
-        noisy = (summed + w.to(summed.device, summed.dtype)) / self.config.batch_size
-        # Gradients are views into `noisy`, a fresh buffer per step (as DDP's buckets are).
-        for p, g in zip(self._params(), torch.split(noisy, self._sizes), strict=True):
-            p.grad = g.view(p.shape).to(p.dtype)
+        self._noisy.set(summed, w)
         if self.embedding is not None:
             self.embedding.set_grads(self._table_grads)
         self.optimizer.step()
@@ -321,10 +318,6 @@ class DPTrainer:
         self.step_index = t + 1
         hooks.point(AFTER_UPDATE, step=t)
         return StepResult(step=t, loss=loss, batch_size=batch.logical_size)
-
-    def _params(self) -> list[nn.Parameter]:
-        params = dict(self.model.named_parameters())
-        return [params[k] for k in self.param_names]
 
     def epsilon(self) -> float:
         return self.accountant.epsilon()
