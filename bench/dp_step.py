@@ -1,22 +1,39 @@
-"""DP-SGD (b=1) step time of our trainer against a non-private step on the same model
-and batch size, and against Opacus when it is installed (optional), in one run.
+"""DP-SGD (b=1) step time of our trainer against Opacus (when installed) and against a
+non-private step, on the same model, batch size and data, measured in one run.
 
-    python bench/dp_step.py [--hidden 256] [--batch 64] [--steps 30]
+Two models: the mlp example (`--hidden`, `--batch`, the issue's "bench/dp_step.py model")
+and a digits-sized MLP (64-64-10, Tanh, 1,437 examples, batch 20: examples/digits'
+shape). Each round times every contender in turn (`--steps` steps after a warm-up);
+rounds interleave them, so a neighbour's load on a shared machine falls on all of them
+alike, and the ratios are taken within a round. Printed: each contender's median
+ms/step and the median of the per-round ratios ours / opacus and ours / non-private.
+
+    python bench/dp_step.py [--hidden 256] [--batch 64] [--steps 50] [--rounds 7]
+        [--threads 1] [--model both|mlp|digits]
+
+Opacus is optional (`pip install opacus`, e.g. in a venv with --system-site-packages);
+without it its column is skipped.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from cocoon_ckpt import DPConfig, JobConfig
-from cocoon_ckpt.train.runner import build_trainer
+from cocoon_ckpt.train.build import build_trainer
+from cocoon_ckpt.train.trainer import DPTrainer
+
+Step = Callable[[], Any]
 
 
-def seconds_per_step(step, steps: int, warmup: int = 3) -> float:  # type: ignore[no-untyped-def]
+def seconds_per_step(step: Step, steps: int, warmup: int = 3) -> float:
     for _ in range(warmup):
         step()
     t = time.perf_counter()
@@ -25,53 +42,63 @@ def seconds_per_step(step, steps: int, warmup: int = 3) -> float:  # type: ignor
     return (time.perf_counter() - t) / steps
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--steps", type=int, default=30)
-    args = p.parse_args()
-    n = args.batch * 64
+def digits_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10))
+
+
+def mlp_job(hidden: int, batch: int, total: int) -> tuple[DPTrainer, Callable[[], nn.Module]]:
+    """Our trainer of the mlp example, and a builder of the same initial model."""
     cfg = JobConfig(
         job="example:mlp",
         dp=DPConfig(
-            steps=args.steps + 5,
-            batch_size=args.batch,
-            dataset_size=n,
+            steps=total,
+            batch_size=batch,
+            dataset_size=batch * 64,
             noise_multiplier=1.0,
             bands=1,
         ),
-        options={"hidden": args.hidden},
+        options={"hidden": hidden},
     )
-    tr = build_trainer(cfg, bytes(32))
-    ours = seconds_per_step(tr.train_step, args.steps)
+    return build_trainer(cfg, bytes(32)), lambda: build_trainer(cfg, bytes(32)).model
 
-    model = build_trainer(cfg, bytes(32)).model
+
+def digits_job(batch: int, total: int) -> tuple[DPTrainer, Callable[[], nn.Module]]:
+    """Our trainer of a digits-sized MLP on seeded data of load_digits' shape."""
+    n = 1437
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.rand(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g)
+    model = digits_model()
+    cfg = DPConfig(steps=total, batch_size=batch, dataset_size=n, noise_multiplier=1.0, bands=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = tr.data.tensors
+    return DPTrainer(model, opt, nn.functional.cross_entropy, (x, y), cfg, bytes(32)), digits_model
+
+
+def contenders(
+    trainer: DPTrainer, make_model: Callable[[], nn.Module], batch: int
+) -> dict[str, Step]:
+    """ours, non-private and (if installed) opacus steps on the same data."""
+    x, y = trainer.data.tensors
+    n = int(x.shape[0])
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(0)
 
     def plain_step() -> None:
-        idx = torch.randint(0, n, (args.batch,), generator=g)
+        idx = torch.randint(0, n, (batch,), generator=g)
         opt.zero_grad()
-        nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+        nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()  # type: ignore[no-untyped-call]
         opt.step()
 
-    plain = seconds_per_step(plain_step, args.steps)
-    print(
-        f"model dim {tr.dim}, batch {args.batch}: ours (DP-SGD, b=1) {ours * 1e3:.2f} ms/step, "
-        f"non-private {plain * 1e3:.2f} ms/step, ratio {ours / plain:.2f}"
-    )
+    steps: dict[str, Step] = {"ours": trainer.train_step, "non-private": plain_step}
     try:
         from opacus import PrivacyEngine
     except ImportError:
-        print("opacus not installed (pip install opacus): its column is skipped")
-        return
-    om = build_trainer(cfg, bytes(32)).model
+        return steps
+    om = make_model()
     oopt = torch.optim.SGD(om.parameters(), lr=0.1)
-    loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(x, y), batch_size=args.batch
-    )
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch)
+    # Poisson sampling (make_private's default), as ours
     om, oopt, loader = PrivacyEngine().make_private(
         module=om, optimizer=oopt, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0
     )
@@ -85,11 +112,62 @@ def main() -> None:
             it = iter(loader)
             xb, yb = next(it)
         oopt.zero_grad()
-        nn.functional.cross_entropy(om(xb), yb).backward()
+        nn.functional.cross_entropy(om(xb), yb).backward()  # type: ignore[no-untyped-call]
         oopt.step()
 
-    op = seconds_per_step(opacus_step, args.steps)
-    print(f"opacus {op * 1e3:.2f} ms/step, ours / opacus {ours / op:.2f}")
+    steps["opacus"] = opacus_step
+    return steps
+
+
+def compare(name: str, trainer: DPTrainer, steps: dict[str, Step], args: Any) -> None:
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(args.rounds):
+        for k, step in steps.items():
+            times[k].append(seconds_per_step(step, args.steps))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    cols = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in med.items())
+    print(f"{name} (dim {trainer.dim}): median ms/step: {cols}")
+    for base in ("opacus", "non-private"):
+        if base in times:
+            ratios = [a / b for a, b in zip(times["ours"], times[base], strict=True)]
+            lo, hi = min(ratios), max(ratios)
+            print(
+                f"  ours / {base}: median {statistics.median(ratios):.2f} "
+                f"(rounds {lo:.2f}-{hi:.2f})"
+            )
+    if "opacus" not in steps:
+        print("  opacus not installed (pip install opacus): its column is skipped")
+    trainer.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--batch", type=int, default=64, help="the mlp model's batch")
+    p.add_argument("--digits-batch", type=int, default=20)
+    p.add_argument("--steps", type=int, default=50, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--model", choices=("both", "mlp", "digits"), default="both")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    total = args.rounds * (args.steps + 3) + 10
+    if args.model in ("both", "mlp"):
+        tr, make = mlp_job(args.hidden, args.batch, total)
+        compare(
+            f"mlp hidden {args.hidden}, batch {args.batch}",
+            tr,
+            contenders(tr, make, args.batch),
+            args,
+        )
+    if args.model in ("both", "digits"):
+        tr, make = digits_job(args.digits_batch, total)
+        compare(
+            f"digits MLP, batch {args.digits_batch}",
+            tr,
+            contenders(tr, make, args.digits_batch),
+            args,
+        )
 
 
 if __name__ == "__main__":
