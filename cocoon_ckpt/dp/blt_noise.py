@@ -1,0 +1,147 @@
+"""BLT correlated noise w = C^-1 z for one coordinate range, one step at a time.
+
+The BLT counterpart of `cocoon_ckpt.dp.noise.CorrelatedNoise`: the same keyed fresh
+noise z_t (`KeyedNoise.fresh(t, start, stop)`, a pure function of (key, t, block), I1),
+the same crash points, and `cocoon_ckpt.dp.blt.blt_step` in place of `bandmf_step`.
+The state is m buffers of the shard's width (any `RingHistory`, so the tiers can hold
+them) and the next step: m x width floats whatever the number of steps or the
+participation, where BandMF keeps b - 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from cocoon_ckpt._state_dict import check_state
+from cocoon_ckpt.dp.blt import BLT, blt_step
+from cocoon_ckpt.dp.noise import AFTER_FRESH, AFTER_GEMV, BEFORE_FRESH, KeyedNoise, NoiseRng
+from cocoon_ckpt.dp.ring import HostRing, RingHistory
+from state import hooks
+
+__all__ = ["BLTNoise"]
+
+
+def _after_gemv(t: int) -> None:
+    hooks.point(AFTER_GEMV, step=t)
+
+
+class BLTNoise:
+    """w_t = C^-1 z for one coordinate range [start, stop) of a BLT strategy.
+
+    State passed in and out explicitly: `state_dict()` holds the next step and (as an
+    array) the buffers. `materialize(n)` gives the dense reference.
+
+    Args:
+        blt: the BLT strategy (m buffers).
+        dim: m, the full model dimension (the key's coordinate space).
+        key: 32 secret bytes.
+        noise_std: sigma * clip.
+        dtype: float32 or float64.
+        start, stop: the coordinate range this instance serves; whole by default.
+        buffers: where the m buffers live, any `RingHistory` of m slots; a `HostRing`
+            by default.
+        rng: the fresh noise's generator (`NoiseRng`).
+
+    Raises:
+        ValueError: the shard or the buffers' shape disagrees (the message names both).
+    """
+
+    def __init__(
+        self,
+        blt: BLT,
+        dim: int,
+        key: bytes,
+        noise_std: float,
+        dtype: str | torch.dtype = "float32",
+        *,
+        start: int = 0,
+        stop: int | None = None,
+        buffers: RingHistory | None = None,
+        rng: NoiseRng | str = NoiseRng.DEFAULT,
+    ) -> None:
+        self.blt = blt
+        self.fresh_noise = KeyedNoise(key, dim, noise_std, dtype, rng)
+        self.start = start
+        self.stop = dim if stop is None else stop
+        if not 0 <= self.start <= self.stop <= dim:
+            raise ValueError(f"shard [{start}, {stop}) is outside [0, {dim})")
+        self.dtype = self.fresh_noise.dtype
+        self.t = 0
+        np_dtype = self.fresh_noise.np_dtype.name
+        want = (blt.buffers, self.stop - self.start, np_dtype)
+        if buffers is None:
+            buffers = HostRing(*want)
+        elif (buffers.slots, buffers.width, buffers.dtype.name) != want:
+            raise ValueError(
+                f"buffers are ({buffers.slots}, {buffers.width}) {buffers.dtype}, the BLT "
+                f"shard needs ({want[0]}, {want[1]}) {want[2]}"
+            )
+        self.buffers: RingHistory = buffers
+        self._mix = blt.mixing_vector
+
+    @property
+    def width(self) -> int:
+        return self.stop - self.start
+
+    def history_bytes(self) -> int:
+        """Bytes of noise state held: m x width x itemsize."""
+        return self.buffers.nbytes
+
+    def close(self) -> None:
+        """Free the buffers' storage."""
+        self.buffers.close()
+
+    def step(self) -> torch.Tensor:
+        """Produce w_t for the current t, update the buffers, advance t.
+
+        Returns:
+            w_t[start:stop], shape (width,), a fresh tensor.
+        """
+        t = self.t
+        hooks.point(BEFORE_FRESH, step=t)
+        z = self.fresh_noise.fresh(t, self.start, self.stop)
+        hooks.point(AFTER_FRESH, step=t)
+        w = blt_step(self.blt, t, z, self.buffers, mix=self._mix, after_gemv=_after_gemv)
+        self.t = t + 1
+        return w
+
+    def materialize(self, n: int) -> torch.Tensor:
+        """Dense reference: w_0..w_{n-1} by a triangular solve of C W = Z, (n, width).
+        Does not touch this instance's state."""
+        z = torch.stack([self.fresh_noise.fresh(t, self.start, self.stop) for t in range(n)])
+        c = torch.from_numpy(self.blt.matrix(n)).to(self.dtype)
+        w: torch.Tensor = torch.linalg.solve_triangular(c, z, upper=False)
+        return w
+
+    # state -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The next step and the shard, plus the buffers (m, width) as a tensor."""
+        return {
+            "kind": "BLTNoise",
+            "schema_version": 1,
+            "t": self.t,
+            "start": self.start,
+            "stop": self.stop,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "buffers": torch.from_numpy(self.buffers.gather()),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_state(state, "BLTNoise", 1)
+        if (state["start"], state["stop"]) != (self.start, self.stop):
+            raise ValueError(
+                f"BLT buffers shard [{state['start']}, {state['stop']}) does not match this "
+                f"instance's [{self.start}, {self.stop}); build it for that shard"
+            )
+        bufs = torch.as_tensor(state["buffers"])
+        want = (self.buffers.slots, self.buffers.width)
+        if tuple(bufs.shape) != want or bufs.dtype != self.dtype:
+            raise ValueError(
+                f"BLT buffers are {bufs.dtype}{tuple(bufs.shape)}, expected "
+                f"{self.dtype}{want}; build the noise with the stored BLT and dtype"
+            )
+        self.buffers.scatter(np.ascontiguousarray(bufs.numpy()))
+        self.t = int(state["t"])
