@@ -1,13 +1,15 @@
 """The audit of a store's arrays before their contents are used: every version's
 labels, shapes and counts against its config (`cocoon_ckpt.tools.bounds`), every
 array's recorded size against the bytes the store holds for it, then every array in
-bounds read back against its checksum."""
+bounds read back against its checksum; an array of ring rows that fails it is
+narrowed to the slots whose rows fail their own checksums."""
 
 from __future__ import annotations
 
 from cocoon_ckpt.tools.audit.report import AuditReport
 from cocoon_ckpt.tools.bounds import VersionBounds, check_bounds
-from state import CorruptVersionError, Manifest, Store, Version
+from cocoon_ckpt.train.ring_rows import damaged_rows, rows_by_array
+from state import CorruptVersionError, Manifest, Store, UnsafePathError, Version
 
 __all__ = ["check_checksums", "check_store_bounds"]
 
@@ -91,9 +93,27 @@ def check_checksums(
                 ver.array(name)
             except CorruptVersionError as exc:
                 report.add("checksums", str(exc), v)
+                if not isinstance(exc, UnsafePathError):
+                    _name_damaged_slots(store, m, name, report)
                 continue
             if meta.path not in seen:
                 seen.add(meta.path)
                 arrays += 1
                 nbytes += meta.nbytes
     report.checks["checksums"] = {"arrays": arrays, "bytes": nbytes}
+
+
+def _name_damaged_slots(store: Store, m: Manifest, name: str, report: AuditReport) -> None:
+    """Which slots of array `name` (failed its checksum) are damaged, row by row."""
+    rows = rows_by_array(m.records).get(name)
+    if not rows:
+        return
+    meta = m.arrays[name]
+    what = {ref: w for w, ref in rows}
+    for ref in damaged_rows(store, meta, [r for _, r in rows]):
+        report.add(
+            "checksums",
+            f"{what[ref]} slot of step {ref.step} (row {ref.row} of {meta.path}) fails its "
+            "checksum: that slot of the stored history is damaged",
+            m.version,
+        )

@@ -1,11 +1,13 @@
 """The audit of the manifest chain: every manifest parsed, parents older and not ahead
 in steps, lease generations never going back, and every array a version borrows from an
-older version matching that version's own record of it."""
+older version matching that version's own record of it, ring rows included (the same
+step and checksum at the same row)."""
 
 from __future__ import annotations
 
 from cocoon_ckpt.tools.audit.report import AuditReport
 from cocoon_ckpt.tools.catalog import own_prefix
+from cocoon_ckpt.train.ring_rows import rows_by_array
 from state import CorruptVersionError, Manifest, Store
 from state.paths import version_of_path
 
@@ -60,7 +62,8 @@ def _check_references(
     v: int, m: Manifest, manifests: dict[int, Manifest], report: AuditReport
 ) -> None:
     """An array version `v` references from an older version must be that version's
-    array."""
+    array, and a ring row it borrows the row that version recorded."""
+    rows = rows_by_array(m.records)
     for name, meta in m.arrays.items():
         if meta.path.startswith(own_prefix(m)) or not meta.path.startswith("versions/"):
             continue
@@ -76,3 +79,15 @@ def _check_references(
                 f"version {src}'s own",
                 v,
             )
+        if old is not None and name in rows:
+            theirs = {
+                (r.row, r.step, r.checksum) for _, r in rows_by_array(old.records).get(name, [])
+            }
+            for what, ref in rows[name]:
+                if (ref.row, ref.step, ref.checksum) not in theirs:
+                    report.add(
+                        "chain",
+                        f"{what} slot of step {ref.step} borrows row {ref.row} of {meta.path}, "
+                        f"which version {src} records otherwise",
+                        v,
+                    )
