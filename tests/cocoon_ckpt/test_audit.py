@@ -193,8 +193,8 @@ def test_inspect_diff_gc(store: Path) -> None:
     a, b = (x["version"] for x in out["versions"][-2:])
     d = diff_versions(str(store), a, b)
     assert d["same_job"] and d["records_changed"]["trainer.step"] == {"from": 15, "to": 16}
-    assert "ring/shard-0000/w-00000015" in d["arrays_added"]
-    assert set(d["arrays_shared"]) == {"ring/shard-0000/w-00000013", "ring/shard-0000/w-00000014"}
+    assert "ring/shard-0000/w-00000015-00000015" in d["arrays_added"]
+    assert set(d["arrays_shared"]) == {"ring/shard-0000/w-00000012-00000014"}
     Store.open(str(store), create=False).acquire_lease()  # a live writer (this process)
     with pytest.raises(LeaseHeldError):
         collect_garbage(str(store), keep=2)

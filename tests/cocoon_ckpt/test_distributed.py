@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from cocoon_ckpt.dp.noise import BLOCK
 from cocoon_ckpt.train.distributed import shard_bounds
+from cocoon_ckpt.train.ring_rows import slot_refs, slot_values
 from cocoon_ckpt.train.stored import model_state
 from state import Store, Version
 
@@ -55,8 +56,8 @@ def _ring(version: Version) -> dict[int, np.ndarray]:
     """Every stored w of the newest version, shards concatenated in coordinate order."""
     parts: dict[int, list[tuple[int, np.ndarray]]] = {}
     for shard in version.records["noise"]["shards"]:
-        for _slot, step, name in shard["slots"]:
-            parts.setdefault(step, []).append((shard["start"], version.array(name)))
+        for ref in slot_refs(shard["slots"]):
+            parts.setdefault(ref.step, []).append((shard["start"], slot_values(version, ref)))
     return {
         s: np.concatenate([a for _, a in sorted(p, key=lambda x: x[0])]) for s, p in parts.items()
     }
