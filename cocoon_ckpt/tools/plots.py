@@ -22,6 +22,7 @@ from cocoon_ckpt.layout import array_kind
 from cocoon_ckpt.tools.audit.records import config_epsilon
 from cocoon_ckpt.tools.catalog import placement
 from cocoon_ckpt.train.metrics import METRICS_RECORD, MetricsError, Series, read_metrics
+from cocoon_ckpt.train.ring_rows import slot_refs, slot_values
 from state import CorruptVersionError, Manifest, Store, Version
 from state.paths import version_prefix
 
@@ -118,6 +119,28 @@ def _curve(ax: Any, name: str, s: Series) -> None:
     ax.legend(fontsize="small")
 
 
+def _slot_norms(
+    store: Store, vs: list[Manifest], skip_paths: set[str] | frozenset[str]
+) -> dict[int, float]:
+    """||w_t|| of every stored ring slot, by step (the squares of a version's rank
+    shards summed); slots in arrays out of bounds or failing verification are left out."""
+    seen: dict[int, float] = {}
+    for m in vs:
+        ver = Version(store, m)
+        squares: dict[int, float] = {}
+        for shard in m.records["noise"]["shards"]:
+            for ref in slot_refs(shard["slots"]):
+                if m.arrays[ref.array].path in skip_paths:
+                    continue
+                try:
+                    w = slot_values(ver, ref).astype(np.float64)
+                except (CorruptVersionError, KeyError):
+                    continue
+                squares[ref.step] = squares.get(ref.step, 0.0) + float(w @ w)
+        seen.update({t: float(np.sqrt(sq)) for t, sq in squares.items()})
+    return seen
+
+
 def _newest_curves(newest: Manifest) -> dict[str, Series]:
     """The newest version's metrics (none when it has no record or a malformed one:
     the audit reports that)."""
@@ -201,17 +224,7 @@ def write_plots(
 
     # 2. signal and noise per step: stored ring slots, the expected ||w_t||, the largest
     # clipped-gradient sum, and the norms the steps logged
-    seen: dict[int, float] = {}
-    for m in vs:
-        ver = Version(store, m)
-        for shard in m.records["noise"]["shards"]:
-            for _slot, step, name in shard["slots"]:
-                if m.arrays[name].path in skip_paths:
-                    continue
-                try:
-                    seen[int(step)] = float(np.linalg.norm(ver.array(name).astype(np.float64)))
-                except (CorruptVersionError, KeyError):
-                    continue
+    seen = _slot_norms(store, vs, skip_paths)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     dim = int(rec["noise"]["dim"])
     clip = float(dp["max_grad_norm"])
