@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cocoon_ckpt._cli.args import add_json, add_storage_options, seed, storage_options
 
 if TYPE_CHECKING:
     from cocoon_ckpt._cli.args import Subparsers
+    from cocoon_ckpt.tools.audit import AuditReport
 
 __all__ = ["COORDINATES", "add_parser", "run"]
 
@@ -50,6 +51,15 @@ def add_parser(sub: Subparsers) -> None:
         "repeated)",
     )
     p.add_argument("--plot", default=None, metavar="DIR", help="also write PNG plots to DIR")
+    p.add_argument(
+        "--delta",
+        type=_delta,
+        action="append",
+        default=None,
+        metavar="DELTA",
+        help="also report epsilon at DELTA (repeatable), composed from the newest version's "
+        "stored accounting event once it agrees with the event its config and step imply",
+    )
     which = p.add_mutually_exclusive_group()
     which.add_argument(
         "--job",
@@ -81,5 +91,67 @@ def run(args: argparse.Namespace) -> int:
         plot_dir=args.plot,
         job=f"example:{args.example}" if args.example else args.job,
     )
+    if args.delta:
+        _epsilon_at(report, args.url, storage_options(args), args.delta)
     print(json.dumps(report.as_json()) if args.json else report.text())
     return 0 if report.ok else 1
+
+
+def _delta(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"--delta {text}: must be a number in (0, 1)")
+    return value
+
+
+def _epsilon_at(
+    report: AuditReport, url: str, options: dict[str, Any] | None, deltas: list[float]
+) -> None:
+    """Add epsilon at each of `deltas` to `report.info`, composed from the stored event of
+    the newest version that verifies; a stored event other than the one its config and
+    step imply is a finding instead (nothing is computed from it)."""
+    from cocoon_ckpt.dp.accountant import Accountant, epsilon_of_event
+    from cocoon_ckpt.train.config import DPConfig
+    from state import Store
+
+    store = Store.open(url, storage_options=options, create=False)
+    # the records are covered by the manifest checksum; the audit has read the arrays
+    latest = store.latest(verify=False, allow_fallback=True)
+    if latest is None:
+        return
+    try:
+        acc = latest.records["accountant"]
+        dp = DPConfig.from_record(latest.records["config"]["dp"])
+        implied = Accountant(
+            noise_multiplier=dp.sigma,
+            dataset_size=dp.dataset_size,
+            batch_size=dp.batch_size,
+            bands=dp.bands,
+            delta=dp.delta,
+        )
+        implied.step(latest.step)
+        event, method = acc["event"], str(acc.get("method", "pld"))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        report.add(
+            "accountant", f"epsilon at --delta: records cannot be read ({exc})", latest.version
+        )
+        return
+    if event != implied.event():
+        report.add(
+            "accountant",
+            f"stored accounting event {event!r} is not the one the config and step "
+            f"{latest.step} imply ({implied.event()!r}); no epsilon at --delta from it",
+            latest.version,
+        )
+        return
+    at = {f"delta={d:g}": epsilon_of_event(event, d, method) if event else 0.0 for d in deltas}
+    report.info["epsilon_at_delta"] = {
+        **at,
+        "version": latest.version,
+        "steps": latest.step,
+        "accounting_method": method,
+        "from": "the version's stored dp-accounting event",
+    }

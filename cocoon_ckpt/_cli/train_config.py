@@ -2,7 +2,8 @@
 
 Every default the command does not choose itself is read from the config dataclasses'
 fields, so the CLI cannot drift from the API. It chooses only the example job's sizes,
-which DPConfig leaves to the caller, and b = 8 bands (DPConfig's default, 1, is DP-SGD).
+which DPConfig leaves to the caller, sigma = 1 unless a target epsilon is given, and b = 8
+bands (DPConfig's default, 1, is DP-SGD).
 """
 
 from __future__ import annotations
@@ -12,14 +13,17 @@ import dataclasses
 import json
 from typing import Any
 
+from cocoon_ckpt._cli.args import storage_options
 from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.tiers.config import TierConfig
-from cocoon_ckpt.train.config import DPConfig, JobConfig, section_from_record
+from cocoon_ckpt.train.config import ACCOUNTANTS, DPConfig, JobConfig, section_from_record
 
 __all__ = [
     "EMBEDDING_FLAGS",
     "EXAMPLE_DEFAULTS",
     "JOB_FLAGS",
+    "TARGET_FLAGS",
+    "add_target_flags",
     "field_default",
     "flag_default",
     "train_config",
@@ -42,6 +46,13 @@ JOB_FLAGS: dict[str, str] = {
     "optimizer": "optimizer",
 }
 
+#: The target-epsilon flags (argparse dest) and the JobConfig field each sets; `train` adds
+#: them with `add_target_flags`.
+TARGET_FLAGS: dict[str, str] = {
+    "target_epsilon": "dp.target_epsilon",
+    "accountant": "dp.accountant",
+}
+
 #: The flags of the embedding section (argparse dest) and the EmbeddingConfig field each sets.
 EMBEDDING_FLAGS: dict[str, str] = {
     "embedding": "mode",
@@ -50,7 +61,8 @@ EMBEDDING_FLAGS: dict[str, str] = {
 }
 
 #: What the CLI chooses itself: the built-in example job's sizes (DPConfig has no default
-#: for them) and BandMF with 8 bands, not DPConfig's DP-SGD (bands=1).
+#: for them), sigma = 1 when no --target-epsilon is given, and BandMF with 8 bands, not
+#: DPConfig's DP-SGD (bands=1).
 EXAMPLE_DEFAULTS: dict[str, Any] = {
     "steps": 50,
     "batch_size": 32,
@@ -77,9 +89,37 @@ def flag_default(flag: str) -> Any:
     command line spells it (an enum by its value)."""
     if flag in EXAMPLE_DEFAULTS:
         return EXAMPLE_DEFAULTS[flag]
-    section, _, name = JOB_FLAGS[flag].rpartition(".")
+    section, _, name = (JOB_FLAGS | TARGET_FLAGS)[flag].rpartition(".")
     value = field_default(DPConfig if section == "dp" else JobConfig, name)
     return getattr(value, "value", value)
+
+
+def add_target_flags(p: argparse.ArgumentParser) -> None:
+    """Add `--target-epsilon` and `--accountant` to the `train` parser."""
+    p.add_argument(
+        "--target-epsilon",
+        type=float,
+        metavar="EPSILON",
+        help="calibrate sigma once at job start so that epsilon at --delta after --steps "
+        "steps stays within EPSILON, and record it (a resume reuses it); instead of "
+        f"--noise-multiplier {_shown_default('target_epsilon')}",
+    )
+    p.add_argument(
+        "--accountant",
+        choices=ACCOUNTANTS,
+        help="how epsilon is composed, for the calibration and the reported epsilon: "
+        f"pld (tight) or rdp (looser) {_shown_default('accountant')}",
+    )
+
+
+def _shown_default(flag: str) -> str:
+    return f"(default {flag_default(flag)})"
+
+
+def _given(args: argparse.Namespace, flags: dict[str, str]) -> dict[str, Any]:
+    """The flags of `flags` given on the command line (a parser built without
+    `add_target_flags` has no target flags: none given)."""
+    return {k: getattr(args, k, None) for k in flags if getattr(args, k, None) is not None}
 
 
 def _read_config_file(path: str) -> dict[str, Any]:
@@ -144,16 +184,22 @@ def _harmless(args: argparse.Namespace) -> dict[str, Any]:
 def train_config(args: argparse.Namespace) -> tuple[JobConfig, str]:
     """The job and the store URL a parsed `train` command line names.
 
+    A target epsilon is calibrated here, once (a resume takes the store's sigma), so
+    the config returned has the sigma that will run.
+
     Raises:
-        ConfigError: --store is blank, --config is combined with job flags, or the
-            config file, --tiers or a flag's value is refused.
+        ConfigError: --store is blank, --config is combined with job flags, both
+            --noise-multiplier and --target-epsilon are given, or the config file,
+            --tiers or a flag's value is refused.
+        ConfigMismatchError: a resume changes the target or what it was calibrated for.
+        PrivacyBudgetError: no sigma >= 0.3 reaches the target.
     """
     if args.store is not None and not args.store.strip():
         raise ConfigError(
             "Expected --store='' to name a store: a local path, memory://NAME or s3://BUCKET/PATH"
         )
     if args.config is not None:
-        given = [k for k in (*JOB_FLAGS, *EMBEDDING_FLAGS) if getattr(args, k) is not None]
+        given = list(_given(args, JOB_FLAGS | TARGET_FLAGS | EMBEDDING_FLAGS))
         if given or args.example or args.job:
             flags = ", ".join("--" + k.replace("_", "-") for k in given) or "--example/--job"
             raise ConfigError(f"--config sets the whole job; drop {flags} or drop --config")
@@ -166,17 +212,25 @@ def train_config(args: argparse.Namespace) -> tuple[JobConfig, str]:
         except (TypeError, KeyError, ValueError) as exc:
             raise ConfigError(f"--config {args.config}: {exc}") from None
         name = config.job.partition(":")[2] if config.job.startswith("example:") else "job"
-        return config, args.store or f"runs/{name}.zarr"
+        return _calibrated(config, args.store or f"runs/{name}.zarr", args)
     # flags not given are left out, so the dataclasses' own defaults apply
-    values = EXAMPLE_DEFAULTS | {
-        k: getattr(args, k) for k in JOB_FLAGS if getattr(args, k) is not None
+    chosen = _given(args, JOB_FLAGS | TARGET_FLAGS)
+    if "target_epsilon" in chosen and "noise_multiplier" in chosen:
+        raise ConfigError(
+            "--noise-multiplier and --target-epsilon both given: give sigma, or the epsilon "
+            "to calibrate it for, not both"
+        )
+    example_defaults = {
+        k: v
+        for k, v in EXAMPLE_DEFAULTS.items()
+        if not (k == "noise_multiplier" and "target_epsilon" in chosen)
     }
+    values = example_defaults | chosen
+    fields = JOB_FLAGS | TARGET_FLAGS
     dp = {
-        JOB_FLAGS[k].removeprefix("dp."): v
-        for k, v in values.items()
-        if JOB_FLAGS[k].startswith("dp.")
+        fields[k].removeprefix("dp."): v for k, v in values.items() if fields[k].startswith("dp.")
     }
-    job = {JOB_FLAGS[k]: v for k, v in values.items() if not JOB_FLAGS[k].startswith("dp.")}
+    job = {fields[k]: v for k, v in values.items() if not fields[k].startswith("dp.")}
     example = args.example or ("mlp" if args.job is None else None)
     config = JobConfig(
         job=f"example:{example}" if example else args.job,
@@ -187,4 +241,18 @@ def train_config(args: argparse.Namespace) -> tuple[JobConfig, str]:
         **job,
         **_harmless(args),
     )
-    return config, args.store or f"runs/{example or 'job'}.zarr"
+    return _calibrated(config, args.store or f"runs/{example or 'job'}.zarr", args)
+
+
+def _calibrated(config: JobConfig, store: str, args: argparse.Namespace) -> tuple[JobConfig, str]:
+    """`config` with sigma decided for a target epsilon (calibrated for a new store, the
+    stored one on resume), so what the command shows and runs is what the store records.
+    A config without a target is returned untouched, the store unopened."""
+    if config.dp.target_epsilon is None:
+        return config, store
+    from cocoon_ckpt.train.target_epsilon import calibrated_job  # dp-accounting: not at --help
+
+    resolved = calibrated_job(
+        config, store, storage_options=storage_options(args), allow_fallback=args.allow_fallback
+    )
+    return resolved, store
