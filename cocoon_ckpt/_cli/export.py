@@ -20,7 +20,8 @@ def add_parser(sub: Subparsers) -> None:
         "export",
         help="write the final model (no noise state) and a privacy report",
         description="Write the finished job's model state_dict to OUT (torch.save) and "
-        "its privacy report to OUT.privacy.json, both or neither. Finished means the "
+        "its privacy report to OUT.privacy.json, both or neither. Its keys are the plain "
+        "model's (none carries torch.compile's _orig_mod. prefix). Finished means the "
         "verified step count equals the config's; epsilon is recomputed from the config. "
         "No noise key or history is exported.",
     )

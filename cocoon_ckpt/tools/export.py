@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
+from cocoon_ckpt._state_dict import plain_keys
 from cocoon_ckpt.dp.accountant import AccountingMethod
 from cocoon_ckpt.dp.accountant import epsilon as compute_epsilon
-from cocoon_ckpt.errors import CocoonError
+from cocoon_ckpt.errors import CocoonError, ConfigError
 from cocoon_ckpt.layout import THREAT_MODEL_DEFAULT
 from cocoon_ckpt.tools.guarantee import describe
 from cocoon_ckpt.train import config as cfgmod
@@ -144,7 +145,8 @@ def export_model(
     allow_incomplete: bool = False,
 ) -> dict[str, Any]:
     """Write the final model's state_dict (no noise state) to `out` and its privacy
-    report to `out + ".privacy.json"`, both or neither.
+    report to `out + ".privacy.json"`, both or neither. Its keys are those of the plain
+    model: a job trained with a `torch.compile`d model exports without `_orig_mod.`.
 
     Args:
         store_url: the job's store.
@@ -199,9 +201,15 @@ def export_model(
     shapes = {k: list(v.shape) for k, v in model.items()}
     if shapes != rec["model_shapes"]:
         raise _damaged(latest, "the model arrays' shapes differ from the recorded model shapes")
+    try:
+        # versions written before JobParts unwrapped compiled models name their
+        # parameters `_orig_mod.<name>`, which the plain model does not load
+        model = plain_keys(model, f"the model of version {latest.version}")
+    except ConfigError as exc:
+        raise _damaged(latest, str(exc)) from None
     eps = (
         compute_epsilon(
-            dp.noise_multiplier,
+            dp.sigma,
             dp.dataset_size,
             dp.batch_size,
             done,
