@@ -10,7 +10,12 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from cocoon_ckpt._cli.args import add_json, add_storage_options, storage_options
-from cocoon_ckpt._cli.train_config import field_default, flag_default, train_config
+from cocoon_ckpt._cli.train_config import (
+    add_target_flags,
+    field_default,
+    flag_default,
+    train_config,
+)
 from cocoon_ckpt.dp.mechanism import MechanismKind
 from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.train.config import NOISE_RNGS, OPTIMIZERS, JobConfig
@@ -100,6 +105,7 @@ def add_parser(sub: Subparsers) -> None:
         type=float,
         help=f"sigma; fresh noise std = sigma * clip {_default('noise_multiplier')}",
     )
+    add_target_flags(p)
     p.add_argument("--clip", type=float, help=f"per-sample L2 clip norm {_default('clip')}")
     p.add_argument("--delta", type=float, help=f"delta of reported epsilon {_default('delta')}")
     p.add_argument(
