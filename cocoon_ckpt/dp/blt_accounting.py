@@ -34,11 +34,12 @@ from __future__ import annotations
 import math
 
 import dp_accounting
-from dp_accounting import pld
+from scipy import optimize
+from scipy.stats import norm
 
 from cocoon_ckpt.dp.blt import BLT
 
-__all__ = ["accounting_sensitivity", "blt_dp_event", "blt_epsilon"]
+__all__ = ["accounting_sensitivity", "blt_dp_event", "blt_epsilon", "blt_noise_multiplier_for"]
 
 
 def accounting_sensitivity(blt: BLT, steps: int, bands: int) -> float:
@@ -77,10 +78,41 @@ def blt_dp_event(noise_multiplier: float, sensitivity: float) -> dp_accounting.D
     return dp_accounting.GaussianDpEvent(noise_multiplier / sensitivity)
 
 
+def _delta(mu: float, eps: float) -> float:
+    # The Gaussian mechanism's exact privacy profile at mu = sens / sigma (Balle and
+    # Wang, "Improving the Gaussian mechanism", 2018, Thm. 8).
+    return float(norm.cdf(mu / 2 - eps / mu) - math.exp(eps) * norm.cdf(-mu / 2 - eps / mu))
+
+
 def blt_epsilon(noise_multiplier: float, sensitivity: float, delta: float) -> float:
-    """epsilon at `delta` of `blt_dp_event` (PLD, tight for one Gaussian)."""
+    """epsilon at `delta` of `blt_dp_event`, exact (no discretisation), 0 if even
+    epsilon = 0 meets `delta`.
+
+    Args:
+        noise_multiplier: sigma (clip units).
+        sensitivity: `accounting_sensitivity(...)`.
+        delta: in (0, 1).
+    """
     if not 0 < delta < 1:
         raise ValueError(f"delta={delta} must lie in (0, 1)")
-    acc = pld.PLDAccountant()
-    acc.compose(blt_dp_event(noise_multiplier, sensitivity))
-    return float(acc.get_epsilon(delta))
+    mu = 1.0 / blt_dp_event(noise_multiplier, sensitivity).noise_multiplier
+    if _delta(mu, 0.0) <= delta:
+        return 0.0
+    hi = 1.0
+    while _delta(mu, hi) > delta:
+        hi *= 2
+    return float(optimize.brentq(lambda e: _delta(mu, e) - delta, 0.0, hi, xtol=1e-12))
+
+
+def blt_noise_multiplier_for(target_epsilon: float, sensitivity: float, delta: float) -> float:
+    """The smallest sigma with `blt_epsilon(sigma, sensitivity, delta) <= target_epsilon`
+    (to 1e-9 relative, rounded up): sensitivity times the Gaussian mechanism's sigma."""
+    if not target_epsilon > 0:
+        raise ValueError(f"target_epsilon={target_epsilon} must be > 0")
+    if not 0 < delta < 1:
+        raise ValueError(f"delta={delta} must lie in (0, 1)")
+    lo, hi = 1e-3, 1.0
+    while _delta(1.0 / hi, target_epsilon) > delta:
+        lo, hi = hi, 2 * hi
+    s = optimize.brentq(lambda x: _delta(1.0 / x, target_epsilon) - delta, lo, hi, rtol=1e-12)
+    return float(s * (1 + 1e-9) * sensitivity)
