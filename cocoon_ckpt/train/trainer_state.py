@@ -111,7 +111,8 @@ class TrainerState(TypedDict):
     optimizer: dict[str, Any]
     """torch's optimizer state_dict."""
     noise: dict[str, Any]
-    """`CorrelatedNoise.state_dict()` of this rank's shard."""
+    """`CorrelatedNoise.state_dict()` of this rank's shard: its `ring` is the live
+    `RingHistory`, of which a checkpoint copies only the slots new since its parent."""
     noise_layout: NoiseLayout
     sampler: dict[str, Any]
     accountant: dict[str, Any]
