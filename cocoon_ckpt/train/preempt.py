@@ -14,11 +14,14 @@ import signal
 import threading
 from collections.abc import Iterator
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cocoon_ckpt.errors import PreemptedError
 
-__all__ = ["SIGNALS", "Preemption", "exit_code"]
+if TYPE_CHECKING:
+    from state import Manifest
+
+__all__ = ["SIGNALS", "Preemption", "exit_code", "preempted_error"]
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -74,3 +77,16 @@ class Preemption:
             step=None,
             version=None,
         )
+
+
+def preempted_error(signum: int, step: int, last: Manifest | None, url: str) -> PreemptedError:
+    """The error a preempted job raises: which signal, the step and the version holding it."""
+    name = signal.Signals(signum).name
+    where = f"version {last.version} holds step {step}" if last is not None else "no version"
+    return PreemptedError(
+        f"stopped by {name} after step {step}; {where} in {url} and the writer lease is "
+        "released: rerun the same command to resume",
+        signum=signum,
+        step=step,
+        version=last.version if last is not None else None,
+    )

@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import signal
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 from torch import nn
 
 from cocoon_ckpt.dp import _validate as valid
-from cocoon_ckpt.errors import PreemptedError
 from cocoon_ckpt.keys import load_key
 from cocoon_ckpt.records import JobRecords
 from cocoon_ckpt.train.checkpoint import Checkpointer
@@ -42,9 +40,10 @@ from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.job_records import job_records
 from cocoon_ckpt.train.metrics import MetricsError, TrainingMetrics, step_scalars
 from cocoon_ckpt.train.parts import JobParts
-from cocoon_ckpt.train.preempt import Preemption
+from cocoon_ckpt.train.preempt import Preemption, preempted_error
 from cocoon_ckpt.train.resume import prepare_trainer
 from cocoon_ckpt.train.start import failure_to_ranks, start_job
+from cocoon_ckpt.train.target_epsilon import calibrated_job
 from cocoon_ckpt.train.trainer import DPTrainer, StepResult
 from state import Manifest, Store, StoreError, Version
 
@@ -105,6 +104,9 @@ def open_job(
     keep their default handlers (the ranks would have to agree on a step to stop at).
     """
     valid.text("store_url", store_url)
+    config = calibrated_job(
+        config, store_url, storage_options=storage_options, fs=fs, allow_fallback=allow_fallback
+    )
     builder = (lambda _config: parts) if isinstance(parts, JobParts) else parts
     dist = DistContext.from_env()
     preempt = Preemption() if dist is None else None
@@ -340,7 +342,7 @@ class JobSession:
         if self.trainer.step_index != self._saved:
             self._save()
         self._stopped = True
-        raise _preempted(requested, self.trainer.step_index, self._ckpt.wait(), self.store.url)
+        raise preempted_error(requested, self.trainer.step_index, self._ckpt.wait(), self.store.url)
 
     def close(self, checkpoint: bool = True) -> None:
         """Write the last version, wait for it, free the trainer, release the lease and
@@ -379,22 +381,12 @@ class JobSession:
                         self._preempt.__exit__(None, None, None)
         requested = self._preempt.requested if self._preempt is not None else None
         if checkpoint and requested is not None and not self._stopped and not self.trainer.done:
-            raise _preempted(requested, self.trainer.step_index, self._ckpt.last, self.store.url)
+            raise preempted_error(
+                requested, self.trainer.step_index, self._ckpt.last, self.store.url
+            )
 
     def __enter__(self) -> JobSession:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self.close(checkpoint=exc_type is None)
-
-
-def _preempted(signum: int, step: int, last: Manifest | None, url: str) -> PreemptedError:
-    name = signal.Signals(signum).name
-    where = f"version {last.version} holds step {step}" if last is not None else "no version"
-    return PreemptedError(
-        f"stopped by {name} after step {step}; {where} in {url} and the writer lease is "
-        "released: rerun the same command to resume",
-        signum=signum,
-        step=step,
-        version=last.version if last is not None else None,
-    )
