@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from cocoon_ckpt._state_dict import uncompiled
 from cocoon_ckpt.dp.accountant import Accountant
 from cocoon_ckpt.dp.generator import NoiseRng, as_noise_rng, generator_backend
 from cocoon_ckpt.dp.mechanism import BandMF, MechanismKind
@@ -30,6 +30,7 @@ from cocoon_ckpt.train.grads import PerSampleGrads
 from cocoon_ckpt.train.identity import job_identity
 from cocoon_ckpt.train.job_data import JobData
 from cocoon_ckpt.train.noisy_grads import NoisyGradients
+from cocoon_ckpt.train.step_result import StepResult
 from cocoon_ckpt.train.table_noise import table_noise
 from cocoon_ckpt.train.trainer_state import (
     TRAINER_SCHEMA,
@@ -57,18 +58,6 @@ def build_mechanism(config: DPConfig) -> BandMF:
     if config.mechanism is MechanismKind.OPTIMIZED:
         return BandMF.optimized(config.bands, config.steps)
     return BandMF.banded_sqrt(config.bands, config.steps)
-
-
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    """What one DP step did."""
-
-    step: int
-    """The step index t just taken (0-based)."""
-    loss: float
-    """Mean loss over the sampled batch (nan for an empty batch)."""
-    batch_size: int
-    """How many examples were sampled."""
 
 
 class DPTrainer:
@@ -128,6 +117,7 @@ class DPTrainer:
         pin_memory: bool | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
     ) -> None:
+        model = uncompiled(model)  # plain names; JobParts says why it trains the original
         tables = tuple(embedding.tables) if embedding is not None else ()
         if embedding is not None and not tables:
             raise ValueError(
@@ -199,6 +189,7 @@ class DPTrainer:
             batch_size=config.batch_size,
             bands=config.bands,
             delta=config.delta,
+            method=str(config.accountant),
         )
         # what really runs, as built (a resume compares it before loading anything)
         self.identity = job_identity(
@@ -317,7 +308,14 @@ class DPTrainer:
         self.accountant.step()
         self.step_index = t + 1
         hooks.point(AFTER_UPDATE, step=t)
-        return StepResult(step=t, loss=loss, batch_size=batch.logical_size)
+        return StepResult(
+            step=t,
+            loss=loss,
+            batch_size=batch.logical_size,
+            # signal against noise, for the metrics and the plots (read-only: no bit changes)
+            grad_norm=float(torch.linalg.vector_norm(summed)),
+            noise_norm=float(torch.linalg.vector_norm(w)),
+        )
 
     def epsilon(self) -> float:
         return self.accountant.epsilon()
