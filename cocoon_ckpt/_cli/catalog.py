@@ -95,9 +95,11 @@ def _inspect_lines(out: dict[str, Any]) -> list[str]:
     lines = [f"{out['store']}: format {out['format_version']}, created {out['created']}"]
     job = out.get("job")
     if job:
+        eps = job.get("target_epsilon")
+        target = "" if eps is None else f" (calibrated once for epsilon={eps})"
         lines.append(
             f"job {job['job']} ({job['fingerprint']}): {job['steps_total']} steps, "
-            f"b={job['bands']} {job['mechanism']}, sigma={job['noise_multiplier']}, "
+            f"b={job['bands']} {job['mechanism']}, sigma={job['noise_multiplier']}{target}, "
             f"m={job['dim']}, key in {job['key_location']}"
         )
         lines.append(f"threat model {job['threat_model']}: {job['threat_model_means']}")

@@ -182,6 +182,8 @@ def inspect_store(
             "bands": dp.get("bands"),
             "mechanism": rec.get("mechanism", {}).get("mechanism"),
             "noise_multiplier": dp.get("noise_multiplier"),
+            "target_epsilon": dp.get("target_epsilon"),
+            "accountant": dp.get("accountant", "pld"),
             "dim": rec.get("noise", {}).get("dim"),
             "key_location": rec.get("key_location"),
             "threat_model": rec.get("threat_model", THREAT_MODEL_DEFAULT),

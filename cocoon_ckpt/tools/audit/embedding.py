@@ -58,7 +58,7 @@ def check_embedding(
     config = JobConfig.from_record(newest.records["config"])
     dp = config.dp
     mechanism = BandMF.from_state_dict(newest.records["mechanism"])
-    std = dp.noise_multiplier * dp.max_grad_norm
+    std = dp.sigma * dp.max_grad_norm
     ver = Version(store, newest)
     rng = np.random.default_rng(seed)
     slots_checked = slots_identical = 0
