@@ -135,8 +135,13 @@ def keyed_gaussians(
         if z - a == BLOCK:
             gaussian_block(seed, out[a - start : z - start], std)
         else:
-            buf = gaussian_block(seed, np.empty(BLOCK, dtype=out.dtype), std)
-            out[a - start : z - start] = buf[a - lo : z - lo]
+            # The ziggurat emits its values in order, so the block's first z - lo values
+            # are a prefix of the whole block's: the same bits, without drawing the rest
+            # (a small model's whole noise is one partial block: 6.2 ms -> 0.3 ms at 4,810).
+            buf = block_generator(seed).standard_normal(z - lo, dtype=out.dtype)
+            if std != 1.0:
+                np.multiply(buf, out.dtype.type(std), out=buf)
+            out[a - start : z - start] = buf[a - lo :]
 
     workers = max(1, min(threads, len(blocks)))
     if workers == 1:
