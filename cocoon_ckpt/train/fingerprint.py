@@ -49,14 +49,30 @@ _ADDED = {
 }
 
 
+#: Where the job's free-form options sit in the flat record: each option is one leaf,
+#: whatever its key (one named `keep_last` is still the job's) or value (a dict option is
+#: compared whole, so `{"a": {}}` differs from `{}`).
+_OPTIONS = "options."
+
+
 def _flat(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in record.items():
-        if isinstance(v, dict):
+        if prefix == _OPTIONS:
+            # a scalar option flattens as it always did (older stores keep their
+            # fingerprints); a nested one becomes one canonical JSON leaf
+            out[f"{prefix}{k}"] = json.dumps(v, sort_keys=True) if isinstance(v, dict) else v
+        elif isinstance(v, dict):
             out.update(_flat(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
+
+
+def _harmless(k: str) -> bool:
+    if k.startswith(_OPTIONS):
+        return False
+    return k.split(".")[-1] in HARMLESS_FIELDS or k.split(".")[0] in HARMLESS_SECTIONS
 
 
 def _relevant(record: dict[str, Any]) -> dict[str, Any]:
@@ -68,8 +84,7 @@ def _relevant(record: dict[str, Any]) -> dict[str, Any]:
     return {
         k: v
         for k, v in flat.items()
-        if k.split(".")[-1] not in HARMLESS_FIELDS
-        and k.split(".")[0] not in HARMLESS_SECTIONS
+        if not _harmless(k)
         and not (k in _ADDED and v == _ADDED[k])
         and (k != "dp.accountant" or calibrated)
     }
@@ -108,7 +123,7 @@ def config_differences(
     diffs = [
         f"{k}: stored {_shown(a, k)!r}, now {_shown(b, k)!r}"
         for k in sorted(set(a) | set(b))
-        if a.get(k) != b.get(k)
+        if json.dumps(a.get(k)) != json.dumps(b.get(k))  # 1 == True, but not as JSON
     ]
     if stored_shapes is not None and now_shapes is not None and stored_shapes != now_shapes:
         for k in sorted(set(stored_shapes) | set(now_shapes)):
