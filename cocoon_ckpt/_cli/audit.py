@@ -81,6 +81,7 @@ def add_parser(sub: Subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     """Audit store `args.url` and print the report. Exit 0 when all holds, 1 with findings."""
     from cocoon_ckpt.tools.audit import audit_store
+    from cocoon_ckpt.train.parts import resolve
 
     report = audit_store(
         args.url,
@@ -89,7 +90,11 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         storage_options=storage_options(args),
         plot_dir=args.plot,
-        job=f"example:{args.example}" if args.example else args.job,
+        # the job the user names on this command line (found in the current folder, as
+        # `train --job` finds it), never one the store names
+        job=f"example:{args.example}"
+        if args.example
+        else (resolve(args.job, search_cwd=True) if args.job else None),
     )
     if args.delta:
         _epsilon_at(report, args.url, storage_options(args), args.delta)

@@ -133,7 +133,11 @@ def audit_store(
     if job is not None:
         parts = _job_parts(job, rec["config"])
         _check_job_shapes(parts, newest, report)
-        report.info["job"] = job if isinstance(job, str) else getattr(job, "__qualname__", "?")
+        report.info["job"] = (
+            job
+            if isinstance(job, str)
+            else f"{getattr(job, '__module__', '?')}:{getattr(job, '__qualname__', '?')}"
+        )
     if rec.get("embedding") is not None:
         if bounds[newest.version].embedding_ok:
             _guard(
