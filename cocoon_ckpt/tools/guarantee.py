@@ -121,4 +121,8 @@ def describe(
         "complete": steps_done == planned,
         "threat_model": tm,
         "threat_model_means": THREAT_MODELS.get(tm, "unknown threat model"),
+        "not_covered": "the stored training metrics (each step's loss, the clipped "
+        "gradient's norm, what the loop logged) are computed from the private data without "
+        "noise: the guarantee covers the model and the noise state, not them; do not "
+        "release a store's metrics record as private output",
     }
