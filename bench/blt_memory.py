@@ -1,4 +1,4 @@
-"""Noise-state bytes per parameter: BLT (m buffers) against BandMF at the same or less error.
+"""Noise-state bytes per parameter: BLT (d buffers) against BandMF at the same or less error.
 
     python bench/blt_memory.py [--settings 64:4 256:16 1024:32] [--epsilon 2 8]
 
@@ -39,7 +39,7 @@ def main() -> None:
     args = ap.parse_args()
     print("unamplified, same participation (min-sep loss / n; bytes per parameter, float32)")
     print(
-        f"{'n':>6} {'b':>4} {'BLT m':>6} {'BLT err':>10} {'bytes':>6} "
+        f"{'n':>6} {'b':>4} {'BLT d':>6} {'BLT err':>10} {'bytes':>6} "
         f"{'BandMF b_':>9} {'err':>10} {'bytes':>6} {'ratio':>6}"
     )
     fitted = {}

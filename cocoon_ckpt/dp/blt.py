@@ -1,12 +1,14 @@
 """BLT: the buffered linear Toeplitz strategy matrix C and its one noise step.
 
-A BLT with buffer decays theta (m,) and output scales omega (m,) is the lower-triangular
+A BLT with buffer decays theta (d,) and output scales omega (d,) is the lower-triangular
 Toeplitz C1 with C1[t, t] = 1 and C1[t, t-k] = sum_i omega_i theta_i^(k-1) for k >= 1
 (Dvijotham et al., "Efficient and near-optimal noise generation for streaming
 differential privacy", 2024; jax_privacy's `BufferedToeplitz` uses the same
-parameters). Its inverse is again a BLT (theta_hat, omega_hat) with m buffers
-(`inverse_parameters`), so the noise w = C^-1 z needs m buffers of the model's size
-instead of BandMF's b-1 past outputs, whatever the number of steps.
+parameters; d, the buffer count, is the degree of that paper's rational function, and
+m stays the model dimension of docs/notation.md). Its inverse is again a BLT
+(theta_hat, omega_hat) with d buffers (`inverse_parameters`), so the noise w = C^-1 z
+needs d buffers of the model's size instead of BandMF's b-1 past outputs, whatever the
+number of steps.
 
 As `BandMF`, C is scaled so its largest column norm (column 0, over `steps` rows) is 1:
 C = c_0 C1. With alpha_i = c_0 omega_i the recursion C w = z reads
@@ -14,7 +16,7 @@ C = c_0 C1. With alpha_i = c_0 omega_i the recursion C w = z reads
     w_t = (z_t - sum_i alpha_i buf_i) / c_0,    then    buf_i <- theta_i buf_i + w_t,
 
 where buf_i = sum_{k>=1} theta_i^(k-1) w_{t-k} (zeros before step 0): BandMF's step with
-the ring of past outputs replaced by m decaying sums of them (`blt_step`).
+the ring of past outputs replaced by d decaying sums of them (`blt_step`).
 
 Sensitivity: under b-min-separated participation C is not banded, so columns of
 repeated participations overlap; `BLT.sensitivity` is the min-sep sensitivity of
@@ -55,11 +57,11 @@ def pair_from_decays(theta: np.ndarray, theta_hat: np.ndarray) -> tuple[np.ndarr
     Pillutla 2025, Theorem 2). Needs distinct decays within each vector.
 
     Args:
-        theta: (m,) buffer decays of C1.
-        theta_hat: (m,) buffer decays of C1^-1.
+        theta: (d,) buffer decays of C1.
+        theta_hat: (d,) buffer decays of C1^-1.
 
     Returns:
-        (omega, omega_hat), each (m,) float64.
+        (omega, omega_hat), each (d,) float64.
     """
 
     def scales(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -133,14 +135,14 @@ def minsep_sensitivity_squared(
 
 
 class BLT:
-    """A buffered linear Toeplitz strategy for `steps` steps (m buffers).
+    """A buffered linear Toeplitz strategy for `steps` steps (d buffers).
 
     Use `cocoon_ckpt.dp.blt_optimize.optimized_blt` for a strategy fitted to the
     prefix-sum workload under b-min-separated participation.
 
     Args:
-        buf_decay: theta, (m,) decays in (0, 1), distinct.
-        output_scale: omega, (m,) scales of C1 (jax_privacy's parameters, c_0 = 1).
+        buf_decay: theta, (d,) decays in (0, 1), distinct.
+        output_scale: omega, (d,) scales of C1 (jax_privacy's parameters, c_0 = 1).
         steps: n, the steps the strategy serves (C's scale depends on it).
 
     Raises:
@@ -171,17 +173,17 @@ class BLT:
     # parameters ------------------------------------------------------------------
     @property
     def buffers(self) -> int:
-        """m, the number of buffers (0: C = I, DP-SGD)."""
+        """d, the number of buffers (0: C = I, DP-SGD)."""
         return len(self._theta)
 
     @property
     def buf_decay(self) -> np.ndarray:
-        """theta, (m,) float64, decreasing."""
+        """theta, (d,) float64, decreasing."""
         return self._theta
 
     @property
     def output_scale(self) -> np.ndarray:
-        """omega, (m,) float64, C1's scales (c_0 = 1)."""
+        """omega, (d,) float64, C1's scales (c_0 = 1)."""
         return self._omega
 
     @property
@@ -191,7 +193,7 @@ class BLT:
 
     @property
     def mixing_vector(self) -> np.ndarray:
-        """alpha = c_0 omega, (m,) float64: the weights of the buffers in each step."""
+        """alpha = c_0 omega, (d,) float64: the weights of the buffers in each step."""
         return self._c0 * self._omega
 
     def _unit_coefficients(self, n: int) -> np.ndarray:
@@ -213,7 +215,7 @@ class BLT:
         return np.where(lag >= 0, c[np.clip(lag, 0, None)], 0.0)
 
     def inverse_parameters(self) -> tuple[np.ndarray, np.ndarray]:
-        """(theta_hat, omega_hat), each (m,): C1^-1 is the BLT with these parameters,
+        """(theta_hat, omega_hat), each (d,): C1^-1 is the BLT with these parameters,
         so C^-1 = C1^-1 / c_0 has first column [1, sum omega_hat theta_hat^(k-1)] / c_0.
 
         Raises:
@@ -237,7 +239,7 @@ class BLT:
 
         C^-1's first column is run through the recursion (`blt_step`'s arithmetic on one
         coordinate), not read from `inverse_parameters`, so this is an independent check
-        of the inverse. O(n m).
+        of the inverse. O(n d).
         """
         n = self.steps if n is None else n
         d = np.empty(n)
@@ -302,10 +304,10 @@ def blt_step(
     in `z`'s dtype (theta cast to it first, each product and sum rounded on its own).
 
     Args:
-        blt: the strategy (m buffers).
+        blt: the strategy (d buffers).
         t: the step, >= 0 (the buffers must hold step t's state; zeros at step 0).
         z: fresh noise z_t at the buffers' coordinates, (width,) float32 or float64.
-        buffers: (m, width) buffers in `z`'s dtype, any `RingHistory`; updated here.
+        buffers: (d, width) buffers in `z`'s dtype, any `RingHistory`; updated here.
         mix: `blt.mixing_vector`, when the caller has it already.
         after_gemv: called with t once the GEMV is done, before the buffers are written.
 

@@ -3,8 +3,8 @@
 The BLT counterpart of `cocoon_ckpt.dp.noise.CorrelatedNoise`: the same keyed fresh
 noise z_t (`KeyedNoise.fresh(t, start, stop)`, a pure function of (key, t, block), I1),
 the same crash points, and `cocoon_ckpt.dp.blt.blt_step` in place of `bandmf_step`.
-The state is m buffers of the shard's width (any `RingHistory`, so the tiers can hold
-them) and the next step: m x width floats whatever the number of steps or the
+The state is d buffers of the shard's width (any `RingHistory`, so the tiers can hold
+them) and the next step: d x width floats whatever the number of steps or the
 participation, where BandMF keeps b - 1.
 """
 
@@ -35,13 +35,13 @@ class BLTNoise:
     array) the buffers. `materialize(n)` gives the dense reference.
 
     Args:
-        blt: the BLT strategy (m buffers).
+        blt: the BLT strategy (d buffers).
         dim: m, the full model dimension (the key's coordinate space).
         key: 32 secret bytes.
         noise_std: sigma * clip.
         dtype: float32 or float64.
         start, stop: the coordinate range this instance serves; whole by default.
-        buffers: where the m buffers live, any `RingHistory` of m slots; a `HostRing`
+        buffers: where the d buffers live, any `RingHistory` of d slots; a `HostRing`
             by default.
         rng: the fresh noise's generator (`NoiseRng`).
 
@@ -87,7 +87,7 @@ class BLTNoise:
         return self.stop - self.start
 
     def history_bytes(self) -> int:
-        """Bytes of noise state held: m x width x itemsize."""
+        """Bytes of noise state held: d x width x itemsize."""
         return self.buffers.nbytes
 
     def close(self) -> None:
@@ -118,7 +118,7 @@ class BLTNoise:
 
     # state -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The next step and the shard, plus the buffers (m, width) as a tensor."""
+        """The next step and the shard, plus the buffers (d, width) as a tensor."""
         return {
             "kind": "BLTNoise",
             "schema_version": 1,

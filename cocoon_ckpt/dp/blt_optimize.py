@@ -48,7 +48,7 @@ def rational_approx_blt(buffers: int, steps: int, *, max_decay: float = 1 - 1e-6
     sum(omega / theta) <= max_decay: a feasible start for the optimiser.
 
     Args:
-        buffers: m >= 1.
+        buffers: d >= 1.
         steps: n.
         max_decay: the largest decay and the largest sum(omega / theta) allowed.
     """
@@ -102,8 +102,8 @@ def blt_objective(
     1e-8 times the barriers (module docstring); inf outside their region.
 
     Args:
-        theta: (m,) float64 decays of C1.
-        theta_hat: (m,) float64 decays of C1^-1.
+        theta: (d,) float64 decays of C1.
+        theta_hat: (d,) float64 decays of C1^-1.
         steps: n.
         min_sep: b.
     """
@@ -225,7 +225,7 @@ def optimized_blt(
         steps: n, the number of steps.
         min_sep: b, the least separation of two participations (the cyclic Poisson
             sampler's bands).
-        buffers: m, or None to add buffers from 1 while each cuts the loss by the
+        buffers: d, or None to add buffers from 1 while each cuts the loss by the
             factor rtol (jax_privacy's `optimize`), up to `max_buffers`.
         max_buffers: the most buffers tried when `buffers` is None.
         rtol: the least loss ratio for which one more buffer is kept.
