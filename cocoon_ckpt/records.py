@@ -49,8 +49,10 @@ __all__ = [
     "VersionRecords",
 ]
 
-#: One stored ring slot: `[slot, step, array name]` (slot index in the ring, the step t
-#: whose w_t it holds, and the version array holding it, width-long).
+#: One stored ring slot: `[slot, step, array, row, checksum]` (slot index in the ring,
+#: the step t whose w_t it holds, the (rows, width) array and its row holding it, and
+#: the row's `crc32c:`), or in stores written before rows `[slot, step, array]` (the
+#: array is the slot, width-long). `cocoon_ckpt.train.ring_rows` reads both.
 RingSlot: TypeAlias = list[Any]
 
 #: `model_shapes`: each model state_dict entry's shape.

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cocoon_ckpt.train.config import JobConfig
+from cocoon_ckpt.train.ring_rows import slot_refs
 from state import Manifest
 
 __all__ = ["VersionBounds", "check_bounds"]
@@ -95,24 +96,33 @@ class _Checker:
         return s
 
 
-def _slots(c: _Checker, slots: Any, what: str) -> list[tuple[int, str]]:
+def _slots(c: _Checker, slots: Any, what: str) -> list[tuple[int, str, int | None]]:
     if not isinstance(slots, list) or len(slots) > c.bands - 1:
         raise ValueError(
             f"{what} lists {len(slots) if isinstance(slots, list) else slots!r} "
             f"slots, more than b-1 = {c.bands - 1}"
         )
-    out: list[tuple[int, str]] = []
+    out: list[tuple[int, str, int | None]] = []
     seen: set[int] = set()
-    for entry in slots:
-        idx, step, name = entry
-        if not 0 <= _int(idx, f"{what} slot index") < c.bands - 1:
-            raise ValueError(f"{what} slot index {idx} is outside [0, {c.bands - 1})")
-        s = c.window(step, f"{what} slot {name}")
+    for ref in slot_refs(slots, what):
+        if not 0 <= ref.slot < c.bands - 1:
+            raise ValueError(f"{what} slot index {ref.slot} is outside [0, {c.bands - 1})")
+        s = c.window(ref.step, f"{what} slot {ref.array}")
         if s in seen:
             raise ValueError(f"{what} holds step {s} twice")
         seen.add(s)
-        out.append((s, str(name)))
+        out.append((s, ref.array, ref.row))
     return out
+
+
+def _slot_shape(c: _Checker, name: str, row: int | None, width: int) -> tuple[int, ...]:
+    """The shape a slot's array may have: (width,), or (rows, width) for an array of
+    rows, rows in (row, b-1] (anything else is reported by `c.array`)."""
+    if row is None:
+        return (width,)
+    meta = c.m.arrays.get(name)
+    rows = meta.shape[0] if meta is not None and len(meta.shape) == 2 else -1
+    return (rows if row < rows <= c.bands - 1 else row + 1, width)
 
 
 def _noise(c: _Checker, rec: dict[str, Any], shapes: dict[str, list[int]]) -> None:
@@ -139,8 +149,8 @@ def _noise(c: _Checker, rec: dict[str, Any], shapes: dict[str, list[int]]) -> No
         start, stop = _int(shard["start"], "shard start"), _int(shard["stop"], "shard stop")
         if not 0 <= start < stop <= dim:
             raise ValueError(f"noise shard [{start}, {stop}) is not inside [0, {dim})")
-        for _s, name in _slots(c, shard["slots"], "ring"):
-            if not c.array(name, (stop - start,), dtype):
+        for _s, name, row in _slots(c, shard["slots"], "ring"):
+            if not c.array(name, _slot_shape(c, name, row, stop - start), dtype):
                 c.out.noise_ok = False
 
 
@@ -158,8 +168,8 @@ def _embedding(c: _Checker, emb: dict[str, Any], shapes: dict[str, list[int]], n
         if not 0 <= hot <= rows:
             raise ValueError(f"table {param}: hot rows {hot} outside [0, {rows}]")
         ok = True
-        for _s, name in _slots(c, t["slots"], f"table {param}"):
-            ok &= c.array(name, (online * dim,))
+        for _s, name, row in _slots(c, t["slots"], f"table {param}"):
+            ok &= c.array(name, _slot_shape(c, name, row, online * dim))
         order = f"emb/{param}/order"
         if order in c.m.arrays:
             ok &= c.array(order, (rows,), "int64")

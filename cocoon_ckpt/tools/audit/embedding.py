@@ -12,6 +12,7 @@ from cocoon_ckpt.records import EmbeddingRecord, TableRecord
 from cocoon_ckpt.tools.audit.report import AuditReport
 from cocoon_ckpt.tools.regenerate import regenerate
 from cocoon_ckpt.train.parts import JobParts
+from cocoon_ckpt.train.ring_rows import slot_refs, slot_values
 from state import Manifest, Store, Version
 
 __all__ = ["check_embedding"]
@@ -199,8 +200,9 @@ def _check_table_ring(
     if width == 0 or not t["slots"]:
         return 0, 0
     coords = np.sort(rng.choice(width, size=min(64, width), replace=False)).astype(np.int64)
-    steps = 1 + max(int(step) for _, step, _ in t["slots"])
-    got = {step: ver.array(name) for _, step, name in t["slots"]}
+    refs = slot_refs(t["slots"], f"table {t['param']}")
+    steps = 1 + max(ref.step for ref in refs)
+    got = {ref.step: slot_values(ver, ref) for ref in refs}
     dtype = str(next(iter(got.values())).dtype)
     want = regenerate(key, mechanism, int(t["rows"]) * int(t["dim"]), std, dtype, coords, steps)
     same = 0

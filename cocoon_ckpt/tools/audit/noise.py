@@ -12,6 +12,7 @@ from cocoon_ckpt.records import NoiseRecord
 from cocoon_ckpt.tools.audit.report import AuditReport
 from cocoon_ckpt.tools.bounds import VersionBounds
 from cocoon_ckpt.tools.regenerate import regenerate
+from cocoon_ckpt.train.ring_rows import slot_refs, slot_values
 from state import CorruptVersionError, Manifest, Store, Version
 
 __all__ = ["check_noise"]
@@ -140,15 +141,19 @@ def _stored_samples(
             continue
         ver = Version(store, m)
         for shard in noise["shards"]:
-            for _slot, step, name in shard["slots"]:
-                meta = m.arrays.get(name)
-                if meta is None or meta.path in stored or name in bounds[v].unsafe:
+            for ref in slot_refs(shard["slots"]):
+                meta = m.arrays.get(ref.array)
+                if meta is None or ref.array in bounds[v].unsafe:
+                    continue
+                # a slot is a row of an array (or, in older stores, the whole array)
+                where = meta.path if ref.row is None else f"{meta.path} row {ref.row}"
+                if where in stored:
                     continue
                 try:
-                    arr = ver.array(name)
+                    arr = slot_values(ver, ref)
                 except CorruptVersionError:
                     continue  # reported by the checksum check
                 lo = int(shard["start"])
                 inside = (coords >= lo) & (coords < int(shard["stop"]))
-                stored[meta.path] = (v, int(step), inside, arr[coords[inside] - lo])
+                stored[where] = (v, ref.step, inside, arr[coords[inside] - lo])
     return stored
