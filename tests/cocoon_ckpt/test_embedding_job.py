@@ -69,7 +69,7 @@ def test_row_gradients_equal_the_dense_per_sample_path() -> None:
     for name, (a, z) in offsets.items():
         if name in sp.param_names:
             i = sp.param_names.index(name)
-            lo = sum(sp._sizes[:i])
+            lo = sum(sp._noisy.sizes[:i])
             torch.testing.assert_close(
                 got_dense[lo : lo + z - a], want[a:z], rtol=1e-12, atol=1e-14
             )
