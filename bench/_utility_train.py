@@ -120,6 +120,7 @@ def _train_opacus(run: Run, model: nn.Module) -> None:
     )
     opt = torch.optim.SGD(model.parameters(), lr=run.lr)
     engine = PrivacyEngine()
+    # make_private wraps `model` around the same parameters: train() evaluates the original
     # Poisson sampling at q = B / N (opacus' default); the same sigma as our DP-SGD row
     model, opt, loader = engine.make_private(
         module=model,
@@ -145,7 +146,6 @@ def train(run: Run) -> dict[str, float | str]:
     split = load(run.dataset)
     model = make_model(run.dataset, split, run.seed)
     {"dp": _train_dp, "plain": _train_plain, "opacus": _train_opacus}[run.kind](run, model)
-    model = getattr(model, "_module", model)  # opacus wraps the model
     return {
         "key": run.key(),
         "val": accuracy(model, split.x_val, split.y_val),

@@ -132,12 +132,12 @@ def rows_for(dataset: str, steps: int, eps: float, bands: list[int]) -> list[Row
 
 
 def choose_lr(
-    res: Results, row: Row, dataset: str, steps: int, val_seeds: list[int]
+    res: Results, row: Row, dataset: str, steps: int, val_seeds: list[int], grid: list[float]
 ) -> float | None:
     """The grid's rate of best mean validation accuracy (ties: the smaller rate); under
     --partial over the runs finished, None when there are none."""
     scores = {}
-    for lr in LR_GRID:
+    for lr in grid:
         got = [res.get(row.run(dataset, steps, lr, v), "val") for v in val_seeds]
         if any(a is not None for a in got):
             scores[lr] = statistics.fmean(a for a in got if a is not None)
@@ -184,10 +184,10 @@ def bench_dataset(
     # Row by row, those the verdict reads first, so an interrupted run leaves whole rows.
     for r in sorted(every, key=lambda r: _priority(r, min(eps_list))):
         res.ensure(
-            (r.run(dataset, steps, lr, v) for lr in LR_GRID for v in val_seeds),
+            (r.run(dataset, steps, lr, v) for lr in args.lrs for v in val_seeds),
             f"{dataset}: {_name(r)}: learning-rate grid",
         )
-        lrs[r] = lr = choose_lr(res, r, dataset, steps, val_seeds)
+        lrs[r] = lr = choose_lr(res, r, dataset, steps, val_seeds, args.lrs)
         res.ensure(
             (r.run(dataset, steps, lr, seed) for seed in seeds if lr is not None),
             f"{dataset}: {_name(r)}: {len(seeds)} seeds at lr {lr}",
@@ -218,7 +218,7 @@ def bench_dataset(
         f"\n### {dataset}: N={s.train} train / {len(split.y_val)} validation / "
         f"{len(split.y_test)} test, batch {s.batch}, {steps} steps, delta {DELTA:g}, clip 1, "
         f"plain SGD, MLP {split.features}-{s.hidden}-{split.classes} (tanh)\n"
-        f"learning rate from {list(LR_GRID)} by mean validation accuracy over "
+        f"learning rate from {args.lrs} by mean validation accuracy over "
         f"{len(val_seeds)} seeds; test accuracy over {len(seeds)} seeds (mean ± std, %); "
         f"'vs DP-SGD' is the per-seed difference (same seeds, same initial models); "
         f"* the plan's recommendation; {opacus_note}"
@@ -241,7 +241,7 @@ def bench_dataset(
                 diffs[r] = (*_mean_std(d), len(d))
                 diff = _pct(*diffs[r][:2], sign=True) + _count(len(d), len(seeds))
         plain = r.kind == "plain"
-        edge = " (edge)" if lrs[r] in (LR_GRID[0], LR_GRID[-1]) else ""
+        edge = " (edge)" if lrs[r] in (min(args.lrs), max(args.lrs)) else ""
         shown = _pct(*_mean_std(list(acc.values()))) + _count(len(acc), len(seeds)) if acc else "-"
         print(
             f"| {r.method}{' *' if r.picked else ''} | {'-' if plain else r.bands} "
@@ -332,6 +332,9 @@ def main() -> None:
     p.add_argument("--datasets", nargs="+", choices=sorted(SETTINGS), default=None)
     p.add_argument("--eps", nargs="+", type=float, default=[2.0, 8.0])
     p.add_argument("--bands", nargs="+", type=int, default=[4], help="b > 1 run beside the pick")
+    p.add_argument(
+        "--lrs", nargs="+", type=float, default=list(LR_GRID), help="the one learning-rate grid"
+    )
     p.add_argument("--seeds", type=int, default=None, help="test seeds per row (10)")
     p.add_argument("--val-seeds", type=int, default=None, help="seeds per learning rate (2)")
     p.add_argument("--steps", type=int, default=None, help="override each dataset's steps")
