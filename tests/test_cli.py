@@ -24,7 +24,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_train_resume_export_json(tmp_path: Path) -> None:
+def test_train_resume_export_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     store = str(tmp_path / "s.zarr")
     common = [
         "train",
@@ -43,8 +43,10 @@ def test_train_resume_export_json(tmp_path: Path) -> None:
     assert first.returncode == 0, first.stderr
     out = json.loads(first.stdout)
     assert out["steps"] == 12 and out["resumed_from"] is None and out["epsilon"] > 0
-    again = _run(*common)  # a finished job: resumes at the end, trains nothing more
-    assert json.loads(again.stdout)["resumed_from"] == 12
+    # a finished job: resumes at the end, trains nothing more (the same entry point in
+    # this process: a second interpreter and torch start prove nothing more)
+    code, again, _ = _main(capsys, *common)
+    assert code == 0 and json.loads(again)["resumed_from"] == 12
     exp = _run("export", store, "--out", str(tmp_path / "m.pt"), "--json")
     assert exp.returncode == 0, exp.stderr
     report = json.loads(exp.stdout)
@@ -75,7 +77,11 @@ def _tree(root: Path) -> dict[str, str]:
     }
 
 
-def test_inspect_audit_diff_gc_in_subprocesses(tmp_path: Path) -> None:
+def test_inspect_audit_diff_gc_in_subprocesses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each command once in a subprocess (the real entry point); their repeats, which
+    check other flags and states, through the same entry point in this process."""
     store = str(tmp_path / "s.zarr")
     first = _run(
         "train", "--store", store, "--steps", "12", "--checkpoint-every", "3", "--bands", "4",
@@ -93,41 +99,43 @@ def test_inspect_audit_diff_gc_in_subprocesses(tmp_path: Path) -> None:
     assert space["unreachable_bytes"] == 0 and space["unreadable_versions"] == []
     assert space["referenced_bytes"] > 0
     assert space["data_ratio"] <= 1.05
-    text = _run("inspect", store)
-    assert text.returncode == 0 and "on host, 3 slots" in text.stdout
-    assert "unreachable 0 B (gc reclaims it)" in text.stdout
-    one = json.loads(_run("inspect", store, "--version", str(versions[-1]), "--json").stdout)
+    code, text, _ = _main(capsys, "inspect", store)
+    assert code == 0 and "on host, 3 slots" in text
+    assert "unreachable 0 B (gc reclaims it)" in text
+    one = json.loads(_main(capsys, "inspect", store, "--version", str(versions[-1]), "--json")[1])
     assert one["config"]["dp"]["steps"] == 12
 
     # the recorded config reruns the same job: nothing left to train
     cfg = tmp_path / "job.json"
     cfg.write_text(json.dumps(one["config"]))
-    again = _run("train", "--config", str(cfg), "--store", store, "--no-progress", "--json")
-    assert again.returncode == 0, again.stderr
-    assert json.loads(again.stdout)["resumed_from"] == 12
+    code, again, err = _main(
+        capsys, "train", "--config", str(cfg), "--store", store, "--no-progress", "--json"
+    )
+    assert code == 0, err
+    assert json.loads(again)["resumed_from"] == 12
 
     audit = _run("audit", store, "--json", "--plot", str(tmp_path / "plots"))
     assert audit.returncode == 0, audit.stdout + audit.stderr
     rep = json.loads(audit.stdout)
     assert rep["ok"] and rep["checks"]["noise"]["slots"] > 0 and len(rep["plots"]) == 4
-    assert "all checks hold" in _run("audit", store, "--seed", "1").stdout
+    assert "all checks hold" in _main(capsys, "audit", store, "--seed", "1")[1]
 
     d = _run("diff", store, str(versions[0]), str(versions[1]), "--json")
     assert d.returncode == 0 and json.loads(d.stdout)["records_changed"]["trainer.step"] == {
         "from": 6,
         "to": 9,
     }
-    assert "arrays added" in _run("diff", store, str(versions[0]), str(versions[1])).stdout
+    assert "arrays added" in _main(capsys, "diff", store, str(versions[0]), str(versions[1]))[1]
 
     os.chmod(store, 0o755)  # anyone may now list and read the store
-    bad = _run("audit", store)
-    assert bad.returncode == 1 and "FINDING [permissions]" in bad.stdout
+    code, out, _ = _main(capsys, "audit", store)
+    assert code == 1 and "FINDING [permissions]" in out
     os.chmod(store, 0o700)
 
     gc = _run("gc", store, "--keep", "2", "--json")
     assert gc.returncode == 0, gc.stderr
     assert json.loads(gc.stdout)["versions_kept"] == versions[1:]
-    assert _run("audit", store).returncode == 0
+    assert _main(capsys, "audit", store)[0] == 0
 
 
 def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
