@@ -3,7 +3,9 @@
 C[t, t-j] = c_j for 0 <= j < b, scaled so that C's largest column norm is 1 (the
 sensitivity under b-min-separated participation). Noise w = C^-1 z is added to the
 gradients; the error of the prefix-sum workload A (lower-triangular ones) is
-||A C^-1||_F^2 times the squared sensitivity.
+||A C^-1||_F^2 times the squared sensitivity. The column-normalized kind rescales the
+last b-1 columns, which the run's end truncates, to norm 1 as well
+(`cocoon_ckpt.dp.column_normalized`): C is then banded but not Toeplitz.
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ from typing import Any
 import numpy as np
 
 from cocoon_ckpt._state_dict import check_state
+from cocoon_ckpt.dp.column_normalized import (
+    column_normalized_loss,
+    column_scales,
+    dense_column_normalized,
+)
 
 __all__ = ["BandMF", "MechanismKind"]
 
@@ -28,6 +35,10 @@ class MechanismKind(enum.StrEnum):
     """Minimised prefix-sum error under the column-norm constraint."""
     CUSTOM = "custom"
     """Coefficients supplied by the caller."""
+    OPTIMIZED_COLNORM = "optimized_colnorm"
+    """`optimized`'s coefficients, every column of C scaled to norm 1 (jax_privacy's
+    column normalization for a known n): the last b-1 steps' noise is multiplied by
+    s_t < 1, the same sigma and epsilon, 0-3% less error (most at small n / large b)."""
 
 
 def _validate(bands: int, steps: int) -> None:
@@ -203,6 +214,34 @@ class BandMF:
             best = start.coefficients
         return cls(best, steps=steps, kind=MechanismKind.OPTIMIZED)
 
+    @classmethod
+    def optimized_colnorm(cls, bands: int, steps: int, *, max_iter: int = 500) -> BandMF:
+        """`optimized`, then column-normalized (see `column_normalize`)."""
+        return cls.column_normalize(cls.optimized(bands, steps, max_iter=max_iter))
+
+    @classmethod
+    def column_normalize(cls, mechanism: BandMF) -> BandMF:
+        """The column-normalized form of an `optimized` mechanism.
+
+        Its coefficients are `mechanism`'s bit for bit, so steps t <= n-b add exactly
+        the noise `optimized` adds. Re-optimising c under the column-normalized loss
+        was measured to gain under 0.02% more for b <= 16 (0.33% at n = 128, b = 64),
+        and jax_privacy does not do it either.
+
+        Raises:
+            ValueError: `mechanism` is not of kind `optimized`.
+        """
+        if mechanism.kind is not MechanismKind.OPTIMIZED:
+            raise ValueError(
+                f"mechanism is {mechanism.kind.value}; column normalization is offered for "
+                "optimized only: build it with BandMF.optimized(bands, steps)"
+            )
+        out = cls(
+            mechanism.coefficients, steps=mechanism.steps, kind=MechanismKind.OPTIMIZED_COLNORM
+        )
+        out._c = mechanism._c  # read-only already; normalising again could move an ulp
+        return out
+
     # properties ------------------------------------------------------------------
     @property
     def coefficients(self) -> np.ndarray:
@@ -214,6 +253,30 @@ class BandMF:
         return len(self._c)
 
     @property
+    def is_column_normalized(self) -> bool:
+        """Whether C's truncated last columns are scaled to norm 1 (non-Toeplitz C)."""
+        return self.kind is MechanismKind.OPTIMIZED_COLNORM
+
+    def noise_scale(self, t: int) -> float:
+        """s_t, the factor step t's recursion output is multiplied by before it is added
+        (C^-1 = diag(s) C_T^-1); the ring keeps the unscaled output. Exactly 1.0 for
+        every Toeplitz kind and for t <= steps - b.
+
+        Raises:
+            ValueError: t is not a step of the run.
+        """
+        if not self.is_column_normalized:
+            return 1.0
+        if not 0 <= t < self.steps:
+            raise ValueError(
+                f"t={t} is not a step of this {self.steps}-step column-normalized mechanism; "
+                f"its noise exists for 0 <= t < {self.steps}"
+            )
+        if t <= self.steps - self.bands:
+            return 1.0
+        return float(column_scales(self._c, self.steps)[t])
+
+    @property
     def sensitivity(self) -> float:
         """Largest column norm of C (1 by construction)."""
         return float(np.linalg.norm(self._c))
@@ -221,6 +284,8 @@ class BandMF:
     def matrix(self, n: int | None = None) -> np.ndarray:
         """Dense C, (n, n) float64 (n defaults to `steps`). For tests and audit."""
         n = self.steps if n is None else n
+        if self.is_column_normalized:
+            return dense_column_normalized(self._c, self.steps, n)
         out = np.zeros((n, n))
         for j, cj in enumerate(self._c[:n]):
             idx = np.arange(j, n)
@@ -233,6 +298,8 @@ class BandMF:
         DP-SGD (b=1) gives n(n+1)/2; comparable across mechanisms of the same n.
         """
         n = self.steps if n is None else n
+        if self.is_column_normalized:
+            return column_normalized_loss(self._c, self.steps, n)
         d = _inverse_first_column(self._c, n)
         e = np.cumsum(d)
         w = np.arange(n, 0, -1, dtype=np.float64)
