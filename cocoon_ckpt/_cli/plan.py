@@ -19,7 +19,7 @@ __all__ = ["add_parser", "run"]
 
 #: The values of cocoon_ckpt.dp.mechanism.MechanismKind that plan compares (spelt out
 #: so `plan --help` starts without torch).
-_MECHANISMS = ("banded_sqrt", "optimized")
+_MECHANISMS = ("banded_sqrt", "optimized", "optimized_colnorm")
 
 
 def _bands(text: str) -> list[int]:
@@ -55,7 +55,7 @@ def add_parser(sub: Subparsers) -> None:
     )  # fmt: skip
     p.add_argument(
         "--mechanism", action="append", choices=_MECHANISMS, default=None,
-        help="compare only this mechanism (repeatable; default: both)",
+        help="compare only this mechanism (repeatable; default: banded_sqrt and optimized)",
     )  # fmt: skip
     p.add_argument("--params", type=int, default=None, help="model parameters, for byte totals")
     p.add_argument("--method", choices=("pld", "rdp"), default="pld", help="accounting")

@@ -167,7 +167,7 @@ def bandmf_step(
     """One step of the BandMF recursion, the one definition every caller runs (the
     online noise, the audit's regeneration, the embedding precompute):
     w_t = (z_t - sum_{j=1..b-1} c_j w_{t-j}) / c_0, then w_t goes into ring slot
-    t mod (b-1).
+    t mod (b-1), and s_t w_t is returned (s_t = 1 but for a column-normalized C's tail).
 
     Bit for bit the same wherever it runs: the history GEMV has one order of rounding
     (`cocoon_ckpt.dp.gemv`), and the subtraction and the division by c_0 are elementwise
@@ -194,8 +194,11 @@ def bandmf_step(
     if after_gemv is not None:
         after_gemv(t)
     w = (z - torch.from_numpy(h)) / c0
-    history.write(t % slots, w.numpy())
-    return w
+    history.write(t % slots, w.numpy())  # the ring keeps the Toeplitz recursion's C_T^-1 z
+    # a column-normalized C = C_T diag(1/s) adds diag(s) C_T^-1 z: s_t is 1.0 except in
+    # optimized_colnorm's last b-1 steps, so every other kind returns w unchanged
+    scale = mechanism.noise_scale(t)
+    return w if scale == 1.0 else w * scale
 
 
 def _after_gemv(t: int) -> None:

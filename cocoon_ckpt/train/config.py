@@ -41,7 +41,9 @@ __all__ = [
 
 _S = TypeVar("_S")
 
-_MECHANISMS = tuple(m.value for m in MechanismKind)
+#: The kinds a config can ask for (`custom` coefficients have no place in a config:
+#: build `BandMF` yourself).
+_MECHANISMS = tuple(m.value for m in MechanismKind if m is not MechanismKind.CUSTOM)
 #: `DPConfig.accountant`'s values.
 ACCOUNTANTS = tuple(m.value for m in AccountingMethod)
 _LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "NOTSET")

@@ -57,7 +57,11 @@ def build_mechanism(config: DPConfig) -> BandMF:
     """The BandMF mechanism a config asks for."""
     if config.mechanism is MechanismKind.OPTIMIZED:
         return BandMF.optimized(config.bands, config.steps)
-    return BandMF.banded_sqrt(config.bands, config.steps)
+    if config.mechanism is MechanismKind.OPTIMIZED_COLNORM:
+        return BandMF.optimized_colnorm(config.bands, config.steps)
+    if config.mechanism is MechanismKind.BANDED_SQRT:
+        return BandMF.banded_sqrt(config.bands, config.steps)
+    raise ConfigError(f"DPConfig.mechanism={config.mechanism.value!r} cannot be built yet")
 
 
 class DPTrainer:
