@@ -59,7 +59,7 @@ class Trace:
         if trainer.last_noise is None:
             raise RuntimeError("the trainer took no step")
         idx = torch.from_numpy(trainer.sampler.batch(res.step))
-        params = torch.cat([p.detach().reshape(-1) for p in trainer._params()])
+        params = torch.cat([p.detach().reshape(-1) for p in trainer._noisy.params])
         self.steps[res.step] = StepTrace(
             step=res.step,
             batch=_digest(idx),

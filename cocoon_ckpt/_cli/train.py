@@ -176,6 +176,12 @@ def add_parser(sub: Subparsers) -> None:
         help="resume from an older version if the newest is damaged",
     )
     p.add_argument(
+        "--allow-device-change",
+        action="store_true",
+        help="resume on another device type than the store's (the noise is the same; the "
+        "gradients' last bits, so bit-exact resume, are not)",
+    )
+    p.add_argument(
         "--overlap-noise",
         action="store_true",
         help="compute each step's noise in a thread while the per-sample gradients are "
@@ -275,6 +281,7 @@ def run(args: argparse.Namespace) -> int:
             key_file=args.key_file,
             takeover=args.takeover,
             allow_fallback=args.allow_fallback,
+            allow_device_change=args.allow_device_change,
             on_step=None if progress is None else progress.on_step,
             on_precompute=None if progress is None else progress.on_precompute,
         )

@@ -35,6 +35,7 @@ def prepare_trainer(
     dist: DistContext | None,
     allow_generator_change: bool,
     resume: tuple[Store, Version] | None,
+    allow_device_change: bool = False,
 ) -> DPTrainer:
     """The job's trainer; with `resume` = (store, version), checked against the version
     and restored from it."""
@@ -50,7 +51,7 @@ def prepare_trainer(
             store, latest = resume
             shapes = model_shapes(trainer)
             check_records(store, latest, config.to_record(), shapes, key, allow_generator_change)
-            check_identity(store, latest, trainer)
+            check_identity(store, latest, trainer, allow_device_change)
             like = trainer.state_dict()
             if records_of(latest).get("mechanism") != like["mechanism"]:
                 raise ConfigMismatchError(
@@ -78,15 +79,20 @@ def prepare_trainer(
     return trainer
 
 
-def check_identity(store: Store, latest: Version, trainer: DPTrainer) -> None:
+def check_identity(
+    store: Store, latest: Version, trainer: DPTrainer, allow_device_change: bool = False
+) -> None:
     """Refuse a resume whose real objects (optimizer, scheduler, dataset) differ from
     those the version records, listing each difference (versions written before the
-    identity was recorded are not compared)."""
+    identity was recorded are not compared); `allow_device_change` leaves the device
+    type out (the noise is the same on every device; the gradients' last bits are not)."""
     stored = records_of(latest).get("identity")
     if stored is None:
         return
     try:
-        diffs = identity_differences(stored, trainer.identity)
+        diffs = identity_differences(
+            stored, trainer.identity, allow_device_change=allow_device_change
+        )
     except (TypeError, AttributeError) as exc:
         raise malformed_version(store, latest, exc) from None
     if diffs:

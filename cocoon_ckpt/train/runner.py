@@ -58,6 +58,7 @@ def run_job(
     takeover: bool = False,
     allow_fallback: bool = False,
     allow_generator_change: bool = False,
+    allow_device_change: bool = False,
     on_step: Callable[[StepResult, DPTrainer], None] | None = None,
     on_precompute: Callable[[int, int], None] | None = None,
     stop_after: int | None = None,
@@ -74,6 +75,7 @@ def run_job(
         takeover: take the writer lease even if its holder looks alive.
         allow_fallback: resume from an older version if the newest is damaged.
         allow_generator_change: resume although the generator backend differs (I3 lost).
+        allow_device_change: resume on another device type (same noise; I3 lost).
         on_step: called after each step (progress bars).
         on_precompute: called as (rows done, rows in all) while coalesced embedding noise
             is precomputed (before step 0; a resume loads it from the store instead).
@@ -109,6 +111,7 @@ def run_job(
         takeover=takeover,
         allow_fallback=allow_fallback,
         allow_generator_change=allow_generator_change,
+        allow_device_change=allow_device_change,
         on_precompute=on_precompute,
         fs=fs,
     ) as job:

@@ -64,6 +64,7 @@ def open_job(
     takeover: bool = False,
     allow_fallback: bool = False,
     allow_generator_change: bool = False,
+    allow_device_change: bool = False,
     on_precompute: Callable[[int, int], None] | None = None,
     fs: Any = None,
 ) -> JobSession:
@@ -80,6 +81,7 @@ def open_job(
         takeover: take the writer lease even if its holder looks alive.
         allow_fallback: resume from an older version if the newest is damaged.
         allow_generator_change: resume although the generator backend differs (I3 lost).
+        allow_device_change: resume on another device type (same noise; I3 lost).
         on_precompute: called as (rows done, rows in all) while coalesced embedding noise
             is precomputed (a fresh start only; a resume loads it).
         fs: an fsspec filesystem to use for the store (fault injection).
@@ -123,6 +125,7 @@ def open_job(
             takeover=takeover,
             allow_fallback=allow_fallback,
             allow_generator_change=allow_generator_change,
+            allow_device_change=allow_device_change,
             fs=fs,
         )
         coordinator = dist is None or dist.is_coordinator
@@ -132,7 +135,9 @@ def open_job(
             # In a multi-process job every rank builds its trainer after rank 0's start
             # (a user's builder may hold collectives), then checks and restores it.
             resume = (store, latest) if latest is not None else None
-            trainer = prepare_trainer(config, key, builder, dist, allow_generator_change, resume)
+            trainer = prepare_trainer(
+                config, key, builder, dist, allow_generator_change, resume, allow_device_change
+            )
         undo.callback(trainer.close)
         if latest is not None:
             log.info(

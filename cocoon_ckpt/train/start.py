@@ -44,6 +44,7 @@ def start_job(
     allow_fallback: bool,
     allow_generator_change: bool,
     dist: DistContext | None,
+    allow_device_change: bool = False,
 ) -> tuple[Store, Version | None, bytes, DPTrainer | None]:
     """Check everything, then write for the first time: create the store, take the lease,
     keep a new job's key. Returns the store (lease held), the version to resume from, the
@@ -67,7 +68,7 @@ def start_job(
             trainer = None
             if dist is None:
                 trainer = prepare_trainer(
-                    config, key, builder, None, allow_generator_change, resume
+                    config, key, builder, None, allow_generator_change, resume, allow_device_change
                 )
             elif resume is not None:
                 check_records(*resume, config.to_record(), None, key, allow_generator_change)
