@@ -20,6 +20,7 @@ __all__ = [
     "AccountantRecord",
     "CscRecord",
     "DatasetIdentity",
+    "DeviceIdentity",
     "EmbeddingRecord",
     "GeneratorRecord",
     "IdentityRecord",
@@ -257,6 +258,13 @@ class DatasetIdentity(TypedDict):
     """sha256 over 16 examples a seeded draw picks (dtypes, shapes and bytes)."""
 
 
+class DeviceIdentity(TypedDict):
+    """`identity.device`: the device type the model ran on, when it is not the CPU."""
+
+    type: str
+    """`torch.device(...).type`, e.g. `cuda`."""
+
+
 class IdentityRecord(TypedDict):
     """`identity`: what a job's real objects are, taken when it was built
     (`train.identity`); a resume refuses any difference."""
@@ -265,6 +273,8 @@ class IdentityRecord(TypedDict):
     scheduler: SchedulerIdentity | None
     """None: the job has no scheduler."""
     dataset: DatasetIdentity
+    device: NotRequired[DeviceIdentity]
+    """Absent: the CPU (stores written before it, and every CPU job)."""
 
 
 class PartStateRecord(TypedDict):

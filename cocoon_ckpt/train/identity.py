@@ -143,8 +143,7 @@ def job_identity(
     kind = DEVICE_DEFAULT if device is None else torch.device(device).type
     if kind != DEVICE_DEFAULT:
         record["device"] = {"type": kind}
-    # IdentityRecord does not name `device` yet (records.py); the key is optional
-    return cast(IdentityRecord, record)
+    return cast(IdentityRecord, record)  # built as a dict: the JSON forms are checked above
 
 
 def _flat(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:

@@ -56,7 +56,7 @@ def test_device_type_recorded_off_the_cpu_and_allowed_on_request() -> None:
     assert "device" not in tr.identity  # the CPU: as stores written before the field
     args = (tr.optimizer, None, tr.dataset, tr.data.size, 0)
     cuda = identity.job_identity(*args, torch.device("cuda", 1))
-    assert cuda["device"] == {"type": "cuda"}  # type: ignore[typeddict-item]
+    assert cuda["device"] == {"type": "cuda"}
     assert identity.identity_differences(tr.identity, cuda) == [
         "device.type: stored 'cpu', now 'cuda'"
     ]
