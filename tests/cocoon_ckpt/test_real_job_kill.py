@@ -116,30 +116,31 @@ def test_sigkill_at_random_moments_then_resume_matches_uninterrupted(
     def why() -> str:
         return f"kill seed {seed} (rerun with COCOON_KILL_SEED={seed}); {'; '.join(log)}"
 
-    # kill 1: a moment drawn from launch on (start-up, building the job and its
-    # DataLoader workers, the first steps and commits)
+    # kill 1: a moment drawn after the job's first commit (a step, a batch in the
+    # DataLoader's workers, the next checkpoint write); 20 steps (2 s) remain
     proc, _ = _launch(tmp_path, url, key, "kill1")
-    delay = rng.uniform(0.5, 5.0)
-    try:
-        proc.wait(timeout=delay)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    log.append(f"kill 1 at {delay:.2f} s: rc {proc.returncode}, {len(_manifests(url))} manifests")
-    assert proc.returncode == -signal.SIGKILL, why()
-
-    # kill 2: a moment drawn after the resumed job's first own commit (a step, the
-    # DataLoader's prefetch or the next checkpoint write)
-    proc, _ = _launch(tmp_path, url, key, "kill2")
     _wait_for_commit(proc, url, why())
     delay = rng.uniform(0.0, 0.4)
     time.sleep(delay)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     latest = Store.open(url, create=False).latest()
-    log.append(f"kill 2 {delay:.2f} s after a commit, at step {latest.step if latest else None}")
+    log.append(f"kill 1 {delay:.2f} s after a commit, at step {latest.step if latest else None}")
     assert proc.returncode == -signal.SIGKILL and latest is not None, why()
-    assert latest.step < STEPS, why()
+
+    # kill 2: a moment drawn from launch on (start-up, building the job and its workers,
+    # the resume, the steps); start-up and the steps left take longer than 4 s
+    proc, _ = _launch(tmp_path, url, key, "kill2")
+    delay = rng.uniform(0.5, 4.0)
+    try:
+        proc.wait(timeout=delay)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    latest = Store.open(url, create=False).latest()
+    log.append(f"kill 2 at {delay:.2f} s, at step {latest.step if latest else None}")
+    assert proc.returncode == -signal.SIGKILL, why()
+    assert latest is not None and latest.step < STEPS, why()
 
     proc, err = _launch(tmp_path, url, key, "finish")
     assert proc.wait(timeout=300) == 0, f"{why()}: {err.read_text()}"
