@@ -17,6 +17,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cocoon_ckpt._cli.main import main
 from cocoon_ckpt.dp.noise import BLOCK
 from cocoon_ckpt.train.distributed import shard_bounds
 from cocoon_ckpt.train.ring_rows import slot_refs, slot_values
@@ -36,14 +37,50 @@ def _train_args(store: Path, key: Path) -> list[str]:
     ]
 
 
-def _torchrun(world: int, store: Path, key: Path, env: dict[str, str] | None = None) -> int:
+def _torchrun(world: int, store: Path, key: Path) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += ["--nproc_per_node", str(world), *_train_args(store, key)]
-    return subprocess.run(cmd, env=env or ENV, capture_output=True, timeout=300).returncode
+    return subprocess.run(cmd, env=ENV, capture_output=True, timeout=300).returncode
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ranks(world: int, store: Path, key: Path, crash: dict[int, str] | None = None) -> list[int]:
+    """The job's ranks started directly, with the environment torchrun gives them (no
+    launcher process); their exit codes. `crash` arms COCOON_CRASH_AT per rank."""
+    port = str(_free_port())
+    procs = []
+    for rank in range(world):
+        env = {
+            **ENV,
+            **{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world)},
+            **{"RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)},
+        }
+        if crash and rank in crash:
+            env["COCOON_CRASH_AT"] = crash[rank]
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *_train_args(store, key)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+    return [p.wait(timeout=300) for p in procs]
 
 
 def _single(store: Path, key: Path) -> None:
-    subprocess.run([sys.executable, *_train_args(store, key)], env=ENV, check=True, timeout=300)
+    """The one-process run, in this process (one thread, as the ranks run)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(_train_args(store, key)[2:]) == 0
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _latest(store: Path) -> Version:
@@ -75,7 +112,9 @@ def test_shard_bounds_cover_the_dimension_in_whole_blocks(dim: int, world: int) 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """Uninterrupted runs of one job, one key: one process, 2 ranks, 4 ranks."""
+    """Uninterrupted runs of one job, one key: one process, 2 ranks, 4 ranks (launched
+    by torchrun, as users launch them; the tests' own crash and restart legs start
+    their ranks directly)."""
     root = tmp_path_factory.mktemp("dist")
     key = root / "k"
     _single(root / "one.zarr", key)
@@ -98,44 +137,18 @@ def test_ranks_add_the_single_process_noise(runs: tuple[Path, Path], world: int)
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_rank_killed_mid_checkpoint_leaves_previous_version(runs: tuple[Path, Path]) -> None:
     root, key = runs
     gold = root / "w2.zarr"
     store = root / "crash2.zarr"
-    port = str(_free_port())
-    procs = []
-    for rank in (0, 1):
-        env = {
-            **ENV,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-        }
-        if rank == 1:  # its arrays of version 2 are durable; the barrier is never reached
-            env["COCOON_CRASH_AT"] = "checkpoint.shard_done:step=8"
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, *_train_args(store, key)],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-            )
-        )
-    codes = [p.wait(timeout=300) for p in procs]
+    # rank 1's arrays of version 2 are durable; the barrier is never reached
+    codes = _ranks(2, store, key, crash={1: "checkpoint.shard_done:step=8"})
     assert codes[1] == -signal.SIGKILL and codes[0] != 0
     latest = _latest(store)
     assert latest.step == 4  # version 2 never became visible
     leftovers = [p.name for p in (store / "versions").iterdir() if p.name.startswith("00000002")]
     assert leftovers  # rank 1 wrote its part, which nothing references
-    assert _torchrun(2, store, key) == 0
+    assert _ranks(2, store, key) == [0, 0]
     a, b = model_state(_latest(gold)), model_state(_latest(store))
     assert all(torch.equal(a[k], b[k]) for k in a)
     for v in Store.open(str(store), create=False).versions():
@@ -146,11 +159,11 @@ def test_reshard_4_2_4(runs: tuple[Path, Path]) -> None:
     root, key = runs
     gold = root / "w4.zarr"
     store = root / "reshard.zarr"
-    for world, crash in ((4, 5), (2, 9)):
-        env = {**ENV, "COCOON_CRASH_AT": f"trainer.after_update:step={crash}"}
-        assert _torchrun(world, store, key, env) != 0
+    for world, step in ((4, 5), (2, 9)):
+        crash = dict.fromkeys(range(world), f"trainer.after_update:step={step}")
+        assert all(code != 0 for code in _ranks(world, store, key, crash))
     assert _latest(store).step == 8
-    assert _torchrun(4, store, key) == 0
+    assert _ranks(4, store, key) == [0] * 4
     g, s = _latest(gold), _latest(store)
     assert len(s.records["noise"]["shards"]) == 4
     ring_g, ring_s = _ring(g), _ring(s)
