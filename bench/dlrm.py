@@ -3,24 +3,44 @@ dense online mechanism, side by side in one run, on synthetic Zipf data.
 
     python bench/dlrm.py [--scale 0.02] [--dim 16] [--batch 1024] [--zipf 1.1]
                          [--steps 40] [--bands 2 4 8 16 32] [--timed 5]
-                         [--lazy-scale 0.1] [--lazy-batch 256]
+                         [--precompute-threads N] [--serial-precompute]
+                         [--sequential] [--lazy-scale 0.1] [--lazy-batch 256]
 
-Tables: the 26 Criteo Kaggle tables (row counts as published with the DLRM reference)
-times --scale. For every b, three trainers over the same model, data and noise key:
+Tables: the 26 Criteo Kaggle tables (row counts as published with the DLRM reference,
+33,762,577 rows in all) times --scale; the header lists the row counts used. Scale 0.1
+is 3,376,257 rows (216 MiB at dim 16); its dense baselines hold (b-1) x that in history
+each, so run it one engine at a time:
 
-  CPU-GEMV   dense online BandMF over every table row, history on the host, host GEMV
-  GPU-GEMV   the same, history pulled to the device tier and computed there (on a
+    python bench/dlrm.py --scale 0.1 --bands 8 --sequential --timed 3
+
+For every b, five trainers over the same model, data and noise key:
+
+  CPU-GEMV   dense online BandMF over every table row, history on the host, the engine's
+             fixed-order GEMV (split-invariant, compiled)
+  GPU-GEMV   the same, history on the device tier, fixed-order GEMV computed there (on a
              machine without CUDA the device tier is torch on the CPU: emulated)
+  CPU-BLAS   dense, host history, numpy `mix @ ring` (BLAS sgemv, all cores)
+  dev-BLAS   dense, history a torch tensor on the device, `torch.mv` (cuBLAS; MKL on a
+             machine without CUDA)
   coalesced  threat_model="final_model", mode=auto: per table, hot rows online and the
              cold rows' noise precomputed into CSC (threshold from a quick profile), or
              the table left dense where coalescing does not pay
 
+BLAS is not split-invariant (bench/_dlrm_blas.py says why the engine does not use it),
+but it is the fastest dense GEMV there is, so every ratio is against the fastest of the
+four baselines, named in the `fastest` column. Steps are timed round-robin over the
+engines (one step each per round, --timed rounds, medians), so a change in the load of
+the machine falls on all of them alike; --sequential builds and times one engine at a
+time instead, for tables too large to hold five trainers at once.
+
 It prints the median training step (per-sample gradients, clipping, noise, update),
-coalesced / better baseline, the tables coalesced, noise entries applied per step
+coalesced / fastest baseline, the tables coalesced, noise entries applied per step
 against coalescing every read row and against the dense count (every row, every step),
-CSC bytes against table bytes, the precompute time and end-to-end time over --steps
-steps including it. Then b = 1: lazy DP-SGD noise (one Gaussian per gap, drawn when a
-row is read) against dense DP-SGD noise over the whole tables, on --lazy-scale tables.
+CSC bytes against table bytes, the precompute time (tiles on --precompute-threads
+threads; with --serial-precompute also on one thread, its CSC checked equal bit for bit)
+and end-to-end time over --steps steps including the precompute, against the fastest
+baseline's. Then b = 1: lazy DP-SGD noise (one Gaussian per gap, drawn when a row is
+read) against dense DP-SGD noise over the whole tables, on --lazy-scale tables.
 """
 
 from __future__ import annotations
@@ -32,11 +52,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from _dlrm_blas import BlasRing, TorchMvRing, use_ring
 
 from cocoon_ckpt import DPConfig, DPTrainer
-from cocoon_ckpt.embedding import EmbeddingConfig, TableMode, TableSpec
+from cocoon_ckpt.embedding import EmbeddingConfig, TableMode, TableSpec, precompute_csc
 from cocoon_ckpt.examples.dlrm import DLRM, make_data, table_rows
 from cocoon_ckpt.tiers import GemvMode, TierConfig
+from cocoon_ckpt.tiers.device import default_device
 
 KEY = bytes(range(32))
 
@@ -116,6 +138,96 @@ def coalesced_stats(tr: DPTrainer) -> dict[str, Any]:
     return out
 
 
+ENGINES: dict[str, tuple[TableMode, TierConfig | None]] = {
+    "CPU-GEMV": (TableMode.DENSE, TierConfig(mode=GemvMode.PULL_TO_HOST)),
+    "GPU-GEMV": (TableMode.DENSE, TierConfig(device_bytes=None, mode=GemvMode.PULL_TO_DEVICE)),
+    "CPU-BLAS": (TableMode.DENSE, None),
+    "dev-BLAS": (TableMode.DENSE, None),
+    "coalesced": (TableMode.AUTO, None),
+}
+BASELINES = ("CPU-GEMV", "GPU-GEMV", "CPU-BLAS", "dev-BLAS")
+
+
+def make_engine(name: str, args: argparse.Namespace, b: int, rows: list[int], data: Any) -> Any:
+    """A trainer for engine `name` at b bands, its rings in place and its CSC built:
+    (trainer, precompute seconds, serial precompute seconds or None)."""
+    mode, tiers = ENGINES[name]
+    tr = build(rows, args.dim, args.batch, b, args.steps, args.zipf, mode, tiers, data)
+    assert tr.embedding is not None
+    if name == "CPU-BLAS":
+        use_ring(tr, BlasRing)
+    elif name == "dev-BLAS":
+        dev = default_device()
+        use_ring(tr, lambda s, w, d: TorchMvRing(s, w, d, dev))
+    if name != "coalesced":
+        return tr, 0.0, None
+    serial = None
+    if args.serial_precompute:
+        t0 = time.perf_counter()
+        ref = [serial_csc(e) for e in tr.embedding.engines if e.needs_precompute]
+        serial = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for e in tr.embedding.engines:
+        if e.needs_precompute:
+            e.csc = precompute_csc(
+                e.schedule,
+                e.order,
+                e.plan.hot,
+                e.dim,
+                e.mechanism,
+                e.noise,
+                e.factors,
+                tile_rows=e.tile_rows,
+                threads=args.precompute_threads,
+            )
+    pre = time.perf_counter() - t0
+    if args.serial_precompute:
+        got = [e.csc for e in tr.embedding.engines if e.plan.mode is TableMode.COALESCED]
+        for a, c in zip(ref, got, strict=True):
+            assert c is not None
+            for x, y in zip(a.arrays().values(), c.arrays().values(), strict=True):
+                if x.dtype != y.dtype or not np.array_equal(x, y):
+                    raise SystemExit("the parallel precompute's CSC differs from the serial one")
+    return tr, pre, serial
+
+
+def serial_csc(e: Any) -> Any:
+    return precompute_csc(
+        e.schedule, e.order, e.plan.hot, e.dim, e.mechanism, e.noise, e.factors,
+        tile_rows=e.tile_rows, threads=1,
+    )  # fmt: skip
+
+
+def time_engines(
+    names: list[str], args: argparse.Namespace, b: int, rows: list[int], data: Any
+) -> tuple[dict[str, float], float, float | None, dict[str, Any]]:
+    """Median step of each engine; precompute seconds (parallel, serial); coalesced stats."""
+    times: dict[str, list[float]] = {n: [] for n in names}
+    pre, serial, stats = 0.0, None, {}
+
+    def one(tr: DPTrainer, name: str) -> None:
+        t0 = time.perf_counter()
+        tr.train_step()
+        times[name].append(time.perf_counter() - t0)
+
+    groups = [[n] for n in names] if args.sequential else [names]
+    for group in groups:
+        live: dict[str, DPTrainer] = {}
+        for name in group:
+            tr, p, s = make_engine(name, args, b, rows, data)
+            if name == "coalesced":
+                pre, serial, stats = p, s, coalesced_stats(tr)
+            tr.train_step()  # warm: vmap tracing, first touches
+            live[name] = tr
+        for _ in range(args.timed):
+            for name, tr in live.items():
+                one(tr, name)
+        for tr in live.values():
+            tr.close()
+        del live
+    return {n: statistics.median(v) for n, v in times.items()}, pre, serial, stats
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scale", type=float, default=0.02, help="Criteo Kaggle rows times this")
@@ -125,53 +237,50 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="n, steps the noise covers")
     ap.add_argument("--bands", type=int, nargs="+", default=[2, 4, 8, 16, 32])
     ap.add_argument("--timed", type=int, default=5, help="timed steps per engine")
+    ap.add_argument(
+        "--precompute-threads", type=int, default=None, help="tiles at once (default: all cores)"
+    )
+    ap.add_argument(
+        "--serial-precompute",
+        action="store_true",
+        help="also precompute on one thread: its time, and the CSC checked bit-equal",
+    )
+    ap.add_argument("--sequential", action="store_true", help="one engine alive at a time")
     ap.add_argument("--lazy-scale", type=float, default=0.1)
     ap.add_argument("--lazy-batch", type=int, default=256)
     args = ap.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
     rows = table_rows("criteo-kaggle", args.scale)
     n_data = args.batch * max(args.bands) * 2
     x, ids, y = make_data(n_data, 13, rows, args.zipf, 1)
     data = (x, ids, y)
+    dev = default_device()
+    threads = args.precompute_threads or torch.get_num_threads()
     print(
         f"# tables: 26 Criteo Kaggle x {args.scale} = {sum(rows):,} rows, dim {args.dim} "
         f"({sum(rows) * args.dim * 4 / 2**20:.1f} MiB float32); batch {args.batch}, "
         f"Zipf {args.zipf}, n = {args.steps} steps, {n_data:,} examples; "
-        f"device tier: {'cuda' if torch.cuda.is_available() else 'torch on CPU (emulated)'}"
+        f"device: {'cuda' if dev.type == 'cuda' else 'torch on CPU (emulated)'}; "
+        f"{torch.get_num_threads()} threads, precompute on {threads}"
     )
+    print(f"# rows per table: {rows}")
     print(
-        "b   CPU-GEMV  GPU-GEMV  coalesced  ratio  tables  entries/step (all-cold, dense)  "
-        "CSC/table  precompute  end-to-end ratio"
+        "b   CPU-GEMV  GPU-GEMV  CPU-BLAS  dev-BLAS  coalesced  fastest    ratio  tables  "
+        "entries/step (all-cold, dense)  CSC/table  precompute (1 thread)  end-to-end"
     )
-    engines = {
-        "CPU-GEMV": (TableMode.DENSE, TierConfig(mode=GemvMode.PULL_TO_HOST)),
-        "GPU-GEMV": (TableMode.DENSE, TierConfig(device_bytes=None, mode=GemvMode.PULL_TO_DEVICE)),
-        "coalesced": (TableMode.AUTO, None),
-    }
     h3: list[str] = []
     for b in args.bands:
-        res: dict[str, float] = {}
-        stats: dict[str, Any] = {}
-        pre = 0.0
-        for name, (mode, tiers) in engines.items():
-            tr = build(rows, args.dim, args.batch, b, args.steps, args.zipf, mode, tiers, data)
-            assert tr.embedding is not None
-            t0 = time.perf_counter()
-            tr.embedding.prepare()
-            if name == "coalesced":
-                pre = time.perf_counter() - t0
-                stats = coalesced_stats(tr)
-            res[name] = step_time(tr, args.timed)
-            tr.close()
-            del tr
-        base = min(res["CPU-GEMV"], res["GPU-GEMV"])
+        res, pre, serial, stats = time_engines(list(ENGINES), args, b, rows, data)
+        fastest = min(BASELINES, key=lambda n: res[n])
+        base = res[fastest]
         e2e = (pre + args.steps * res["coalesced"]) / (args.steps * base)
+        one = f"({serial:.1f}s, {serial / pre:.2f}x)" if serial is not None else ""
         print(
-            f"{b:<3} {res['CPU-GEMV'] * 1e3:7.1f}ms {res['GPU-GEMV'] * 1e3:7.1f}ms "
-            f"{res['coalesced'] * 1e3:8.1f}ms  {base / res['coalesced']:5.2f}x  "
+            f"{b:<3} "
+            + " ".join(f"{res[n] * 1e3:7.1f}ms" for n in BASELINES)
+            + f" {res['coalesced'] * 1e3:8.1f}ms  {fastest:9} {base / res['coalesced']:5.2f}x  "
             f"{stats['coalesced']:2d}/26   {stats['per_step']:10,.0f} "
             f"({stats['reads_per_step']:,.0f}, {stats['rows']:,})  "
-            f"{stats['csc_bytes'] / stats['table_bytes']:8.2f}x  {pre:8.1f}s   "
+            f"{stats['csc_bytes'] / stats['table_bytes']:8.2f}x  {pre:7.1f}s {one:14}  "
             f"{1 / e2e:5.2f}x"
         )
         h3.append(
@@ -180,7 +289,7 @@ def main() -> None:
             f"{stats['h3_csc_bytes'] / stats['table_bytes']:.2f}x"
         )
     print("\n".join(h3))
-    # b = 1: lazy against dense DP-SGD noise
+    # b = 1: lazy against dense DP-SGD noise (no history, so no GEMV to choose)
     lrows = table_rows("criteo-kaggle", args.lazy_scale)
     n_lazy = args.lazy_batch * 4
     lx, lids, ly = make_data(n_lazy, 13, lrows, args.zipf, 2)
