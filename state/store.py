@@ -91,6 +91,10 @@ class Store:
         """
         store = cls(open_backend(url, storage_options, fs=fs, retry=retry), retry=retry)
         backend = store.backend
+        # fsspec keeps one S3 filesystem per process, listings cached: a store opened
+        # after other processes wrote to it must not read this process's older listing
+        # (s3fs forgets a path and its parents, not its children: forget it all)
+        backend.invalidate()
         if backend.root_is_file():
             raise NotAStoreError(
                 f"{url} is a file, not a cocoon-ckpt store; give the path of a store, or of a "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from typing import Any
 
 import numpy as np
@@ -305,3 +306,23 @@ def test_retention_never_removes_a_referenced_array(
                     np.testing.assert_array_equal(got.array(name), np.full(3, float(name[-4:])))
     space = store.space()
     assert space.data == space.referenced + space.scaffolding
+
+
+def test_a_store_opened_again_sees_what_another_process_wrote_on_s3(
+    s3_endpoint: dict[str, Any],
+) -> None:
+    # s3fs keeps one filesystem per process with its listings cached; a second client
+    # (its own instance, as another process has) writes, then this process opens again
+    url = f"s3://{s3_endpoint['bucket']}/{uuid.uuid4().hex}.zarr"
+    opts = s3_endpoint["storage_options"]
+    mine = Store.open(url, storage_options=opts)
+    mine.acquire_lease()
+    _commit(mine, 1, {"a": np.arange(3)})
+    mine.release_lease()
+    assert mine.versions() == [1]
+    other = Store.open(url, storage_options={**opts, "skip_instance_cache": True})
+    other.acquire_lease()
+    _commit(other, 2, {"a": np.arange(4)})
+    other.release_lease()
+    again = Store.open(url, storage_options=opts)
+    assert again.versions() == [1, 2]
