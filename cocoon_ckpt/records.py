@@ -26,6 +26,7 @@ __all__ = [
     "IdentityRecord",
     "JobRecords",
     "MechanismRecord",
+    "BLTRecord",
     "MetricSeries",
     "MetricsRecord",
     "ModelShapes",
@@ -110,18 +111,36 @@ class AccountantRecord(TypedDict):
     delta: float
     steps: int
     event: dict[str, Any] | None
-    """The composed dp-accounting event (None before the first step)."""
+    """The composed dp-accounting event (None before the first step; a BLT run's is one
+    `GaussianDpEvent` at sigma / sensitivity)."""
     epsilon: float | None
+    sensitivity: NotRequired[float]
+    """A BLT run's min-sep sensitivity (`dp.blt_accounting`); absent for BandMF."""
 
 
 class MechanismRecord(TypedDict):
-    """`mechanism`: `BandMF.state_dict()` (the band coefficients, bit for bit)."""
+    """`mechanism`: `BandMF.state_dict()` (the band coefficients, bit for bit), or a
+    BLT's (`BLTRecord`)."""
 
     kind: Literal["BandMF"]
     schema_version: int
     mechanism: str
     steps: int
     coefficients: list[float]
+
+
+class BLTRecord(TypedDict):
+    """`mechanism` of a BLT run: `BLT.state_dict()`, the parameters a resume rebuilds
+    the strategy from (never fitted again), bit for bit. Its noise shards' slots are
+    the d buffers after step t - 1, all rewritten each version."""
+
+    kind: Literal["BLT"]
+    schema_version: int
+    steps: int
+    buf_decay: list[float]
+    """theta, (d,) decreasing."""
+    output_scale: list[float]
+    """omega, (d,)."""
 
 
 class GeneratorRecord(TypedDict):
@@ -293,7 +312,7 @@ class SnapshotRecords(TypedDict):
     optimizer: OptimizerRecord
     sampler: SamplerRecord
     accountant: AccountantRecord
-    mechanism: MechanismRecord
+    mechanism: MechanismRecord | BLTRecord
     noise: NoiseRecord
     generator: GeneratorRecord
     rng: RngRecord

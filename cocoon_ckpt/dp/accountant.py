@@ -21,6 +21,7 @@ from cocoon_ckpt.dp.accounting import (
     epsilon_of_event,
     validate_arguments,
 )
+from cocoon_ckpt.dp.blt_accounting import blt_dp_event, blt_epsilon
 from cocoon_ckpt.dp.calibration import noise_multiplier_for
 
 __all__ = [
@@ -37,8 +38,16 @@ __all__ = [
 class Accountant:
     """Tracks the steps actually taken and reports the epsilon spent.
 
+    Two accountings, chosen by the mechanism: amplified BandMF (ceil(t / b) rounds of a
+    Poisson-subsampled Gaussian, `dp.accounting`), or, for a BLT (`sensitivity` given),
+    the whole run as one Gaussian at sigma / sensitivity without amplification
+    (`dp.blt_accounting`): its epsilon is exact at the end and an upper bound at every
+    step before, and it is the Gaussian's exact profile whatever `method` says.
+
     Args:
         noise_multiplier, dataset_size, batch_size, bands, delta, method: as `epsilon`.
+        sensitivity: a BLT's min-sep sensitivity (`blt_accounting.accounting_sensitivity`);
+            None for BandMF.
     """
 
     def __init__(
@@ -50,8 +59,12 @@ class Accountant:
         bands: int,
         delta: float,
         method: str = "pld",
+        sensitivity: float | None = None,
     ) -> None:
         validate_arguments(noise_multiplier, dataset_size, batch_size, 1, bands, delta)
+        if sensitivity is not None and not (sensitivity > 0 and math.isfinite(sensitivity)):
+            raise ValueError(f"Accountant sensitivity={sensitivity} must be > 0 and finite")
+        self.sensitivity = None if sensitivity is None else float(sensitivity)
         self.noise_multiplier = float(noise_multiplier)
         self.dataset_size = dataset_size
         self.batch_size = batch_size
@@ -70,6 +83,8 @@ class Accountant:
         """epsilon spent so far (0.0 before the first step)."""
         if self.steps == 0:
             return 0.0
+        if self.sensitivity is not None:
+            return blt_epsilon(self.noise_multiplier, self.sensitivity, self.delta)
         return epsilon(
             self.noise_multiplier,
             self.dataset_size,
@@ -86,6 +101,8 @@ class Accountant:
         which the checkpoint writer does off the training thread."""
         if self.steps == 0:
             return 0.0
+        if self.sensitivity is not None:
+            return self.epsilon()  # closed form: no composition to wait for
         return epsilon_if_cached(
             self.noise_multiplier,
             self.dataset_size,
@@ -100,6 +117,9 @@ class Accountant:
         """The composed dp-accounting event as a JSON-ready record."""
         if self.steps == 0:
             return None
+        if self.sensitivity is not None:
+            event = blt_dp_event(self.noise_multiplier, self.sensitivity)
+            return {"type": "GaussianDpEvent", "noise_multiplier": event.noise_multiplier}
         return {
             "type": "SelfComposedDpEvent",
             "count": math.ceil(self.steps / self.bands),
@@ -112,8 +132,9 @@ class Accountant:
 
     def state_dict(self, *, with_epsilon: bool = True) -> dict[str, Any]:
         """The record; `with_epsilon=False` leaves `epsilon` None (it costs a PLD
-        composition; the checkpoint writer fills it in off the training thread)."""
-        return {
+        composition; the checkpoint writer fills it in off the training thread). A BLT's
+        accountant adds `sensitivity` (BandMF records are as they always were)."""
+        out: dict[str, Any] = {
             "kind": "Accountant",
             "schema_version": 1,
             "method": self.method.value,
@@ -126,6 +147,9 @@ class Accountant:
             "event": self.event(),
             "epsilon": self.epsilon() if with_epsilon else None,
         }
+        if self.sensitivity is not None:
+            out["sensitivity"] = self.sensitivity
+        return out
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> Accountant:
@@ -138,6 +162,7 @@ class Accountant:
             bands=int(state["bands"]),
             delta=float(state["delta"]),
             method=state["method"],
+            sensitivity=_sensitivity(state),
         )
         acc.steps = int(state["steps"])
         return acc
@@ -161,9 +186,15 @@ class Accountant:
             int(state["bands"]),
             float(state["delta"]),
         )
-        if mine != theirs:
+        if mine != theirs or self.sensitivity != _sensitivity(state):
             raise ValueError(
-                f"accountant state is for (sigma, N, B, b, delta)={theirs}, this "
-                f"accountant is {mine}"
+                f"accountant state is for (sigma, N, B, b, delta)={theirs} at sensitivity "
+                f"{_sensitivity(state)}, this accountant is {mine} at {self.sensitivity}"
             )
         self.steps = int(state["steps"])
+
+
+def _sensitivity(state: dict[str, Any]) -> float | None:
+    """A record's BLT sensitivity (absent: BandMF's accounting)."""
+    value = state.get("sensitivity")
+    return None if value is None else float(value)

@@ -28,6 +28,7 @@ __all__ = [
     "epsilon",
     "epsilon_if_cached",
     "epsilon_of_event",
+    "epsilon_of_run",
     "event_from_record",
     "validate_arguments",
 ]
@@ -131,6 +132,12 @@ def epsilon_of_event(record: Mapping[str, Any], delta: float, method: str = "pld
         raise ValueError(f"delta={delta} must lie in (0, 1)")
     m = AccountingMethod(method)
     event = event_from_record(record)
+    if isinstance(event, dp_accounting.GaussianDpEvent):
+        # a BLT run's whole event: the Gaussian's exact profile, as its accountant
+        # reports it (a PLD of it is a discretised upper bound)
+        from cocoon_ckpt.dp.blt_accounting import blt_epsilon
+
+        return blt_epsilon(event.noise_multiplier, 1.0, delta)
     if (
         m is AccountingMethod.PLD
         and isinstance(event, dp_accounting.SelfComposedDpEvent)
@@ -238,6 +245,37 @@ def epsilon(
         bands,
         float(delta),
         AccountingMethod(method),
+    )
+
+
+def epsilon_of_run(
+    dp: Mapping[str, Any], mechanism: Mapping[str, Any] | None, steps: int, method: str = "pld"
+) -> float:
+    """epsilon after `steps` steps of a stored run, under its mechanism's accounting:
+    a BLT's (one Gaussian at its min-sep sensitivity, `dp.blt_accounting`) when the
+    mechanism record is a BLT's, else amplified BandMF (`epsilon`). What readers of a
+    store (audit, export) recompute and compare with the accountant's record.
+
+    Args:
+        dp: the `dp` mapping of a config record (sigma calibrated or given).
+        mechanism: the version's `mechanism` record (None: BandMF, older stores).
+        steps: steps taken (>= 1).
+        method: the accountant's method (a BLT's epsilon is exact under either).
+
+    Raises:
+        ValueError: an argument or the BLT record is out of range.
+        KeyError, TypeError: a record lacks a field or has the wrong type.
+    """
+    sigma, bands, delta = float(dp["noise_multiplier"]), int(dp["bands"]), float(dp["delta"])
+    if mechanism is not None and mechanism.get("kind") == "BLT":
+        from cocoon_ckpt.dp.blt import BLT
+        from cocoon_ckpt.dp.blt_accounting import accounting_sensitivity, blt_epsilon
+
+        blt = BLT.from_state_dict(dict(mechanism))
+        sens = accounting_sensitivity(blt, int(dp["steps"]), bands)
+        return blt_epsilon(sigma, sens, delta)
+    return epsilon(
+        sigma, int(dp["dataset_size"]), int(dp["batch_size"]), steps, bands, delta, method
     )
 
 

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from cocoon_ckpt._state_dict import check_state
+from cocoon_ckpt.dp.mechanism import MechanismKind
 from cocoon_ckpt.dp.ring import RingHistory
 
 __all__ = ["BLT", "blt_step", "minsep_sensitivity_squared", "pair_from_decays"]
@@ -171,6 +172,11 @@ class BLT:
             a.setflags(write=False)
 
     # parameters ------------------------------------------------------------------
+    @property
+    def kind(self) -> MechanismKind:
+        """`MechanismKind.BLT`, as `BandMF.kind` names its kind."""
+        return MechanismKind.BLT
+
     @property
     def buffers(self) -> int:
         """d, the number of buffers (0: C = I, DP-SGD)."""

@@ -32,12 +32,15 @@ counts one example's contributions of norm at most clip).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import dp_accounting
 from scipy import optimize
 from scipy.stats import norm
 
-from cocoon_ckpt.dp.blt import BLT
+if TYPE_CHECKING:
+    # only its methods are called: the accountant imports this module without torch
+    from cocoon_ckpt.dp.blt import BLT
 
 __all__ = ["accounting_sensitivity", "blt_dp_event", "blt_epsilon", "blt_noise_multiplier_for"]
 

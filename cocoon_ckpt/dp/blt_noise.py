@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from cocoon_ckpt._state_dict import check_state
@@ -31,8 +30,8 @@ def _after_gemv(t: int) -> None:
 class BLTNoise:
     """w_t = C^-1 z for one coordinate range [start, stop) of a BLT strategy.
 
-    State passed in and out explicitly: `state_dict()` holds the next step and (as an
-    array) the buffers. `materialize(n)` gives the dense reference.
+    State passed in and out explicitly: `state_dict()` holds the next step and the
+    live buffers. `materialize(n)` gives the dense reference.
 
     Args:
         blt: the BLT strategy (d buffers).
@@ -116,32 +115,53 @@ class BLTNoise:
         w: torch.Tensor = torch.linalg.solve_triangular(c, z, upper=False)
         return w
 
+    @property
+    def history(self) -> RingHistory:
+        """The buffers, by the name the trainer's layout and tiers read (`RingHistory`)."""
+        return self.buffers
+
+    @property
+    def slot_steps(self) -> list[int | None]:
+        """The step each buffer holds the state after: t - 1 for all d of them (each
+        step rewrites every buffer); None before step 0. A checkpoint stores every
+        buffer anew each version: nothing can be borrowed from the parent."""
+        last = self.t - 1 if self.t > 0 else None
+        return [last] * self.blt.buffers
+
     # state -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The next step and the shard, plus the buffers (d, width) as a tensor."""
+        """The next step and the shard, plus the buffers by reference (`ring`, the live
+        `RingHistory`, with `slot_steps`: the form the snapshot codec writes for
+        `CorrelatedNoise` too); copy what you keep before the next `step()`."""
         return {
             "kind": "BLTNoise",
-            "schema_version": 1,
+            "schema_version": 2,
             "t": self.t,
             "start": self.start,
             "stop": self.stop,
             "dtype": str(self.dtype).removeprefix("torch."),
-            "buffers": torch.from_numpy(self.buffers.gather()),
+            "slot_steps": self.slot_steps,
+            "ring": self.buffers,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state(state, "BLTNoise", 1)
+        """Load `state` (as `state_dict()` returns it, or a resume reads it): its `ring`,
+        any `RingHistory` of this shard's (d, width) and dtype, is copied in."""
+        check_state(state, "BLTNoise", 2)
         if (state["start"], state["stop"]) != (self.start, self.stop):
             raise ValueError(
                 f"BLT buffers shard [{state['start']}, {state['stop']}) does not match this "
                 f"instance's [{self.start}, {self.stop}); build it for that shard"
             )
-        bufs = torch.as_tensor(state["buffers"])
-        want = (self.buffers.slots, self.buffers.width)
-        if tuple(bufs.shape) != want or bufs.dtype != self.dtype:
+        ring = state["ring"]
+        if not isinstance(ring, RingHistory):
+            raise TypeError(f"BLT buffers are a {type(ring).__name__}; expected a RingHistory")
+        want = (self.buffers.slots, self.buffers.width, self.buffers.dtype)
+        if (ring.slots, ring.width, ring.dtype) != want:
             raise ValueError(
-                f"BLT buffers are {bufs.dtype}{tuple(bufs.shape)}, expected "
-                f"{self.dtype}{want}; build the noise with the stored BLT and dtype"
+                f"BLT buffers are {ring.dtype}({ring.slots}, {ring.width}), expected "
+                f"{want[2]}({want[0]}, {want[1]}); build the noise with the stored BLT and dtype"
             )
-        self.buffers.scatter(np.ascontiguousarray(bufs.numpy()))
+        if ring is not self.buffers:
+            self.buffers.scatter(ring.gather())
         self.t = int(state["t"])

@@ -26,6 +26,7 @@ the search over logits of the decays, so every iterate keeps them in (0, 1).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -33,7 +34,7 @@ import torch
 
 from cocoon_ckpt.dp.blt import BLT, pair_from_decays
 
-__all__ = ["blt_objective", "optimized_blt", "rational_approx_blt"]
+__all__ = ["blt_objective", "job_blt", "optimized_blt", "rational_approx_blt"]
 
 _PENALTY = 1e-8
 _MIN_GAP = 1e-12
@@ -267,3 +268,15 @@ def optimized_blt(
             break
         best, best_loss = blt, loss
     return best
+
+
+@functools.lru_cache(maxsize=32)
+def job_blt(steps: int, min_sep: int) -> BLT:
+    """`optimized_blt(steps, min_sep)`, fitted once per process: a job's calibration,
+    its trainer and a plan ask for the same strategy, and a fit takes seconds. A resume
+    never calls this: it rebuilds the strategy from the parameters the store holds
+    (a refit elsewhere may differ in the last bits, and the noise with it).
+
+    The strategy is shared: its parameter arrays are read-only.
+    """
+    return optimized_blt(steps, min_sep)

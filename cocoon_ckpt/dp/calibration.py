@@ -13,10 +13,11 @@ from collections.abc import Callable
 from scipy import optimize
 
 from cocoon_ckpt.dp.accounting import AccountingMethod, epsilon, validate_arguments
+from cocoon_ckpt.dp.blt_accounting import blt_epsilon, blt_noise_multiplier_for
 from cocoon_ckpt.dp.pld_composition import OneRound
 from cocoon_ckpt.errors import PrivacyBudgetError
 
-__all__ = ["SIGMA_MIN", "noise_multiplier_for"]
+__all__ = ["SIGMA_MIN", "blt_noise_multiplier", "noise_multiplier_for"]
 
 #: The smallest sigma calibration returns: below it the PLD discretisation grows without
 #: bound, and a target that needs it is no real privacy.
@@ -122,3 +123,23 @@ def noise_multiplier_for(
             return float(sigma)
         sigma *= 1.001
     raise fail(f"the search's answer {sigma:g} does not meet it under the reported accounting")
+
+
+def blt_noise_multiplier(target_epsilon: float, sensitivity: float, delta: float) -> float:
+    """The smallest sigma >= 0.3 whose BLT run (one Gaussian at sigma / `sensitivity`,
+    `dp.blt_accounting`) is within `target_epsilon` at `delta`: the closed-form
+    Gaussian's, floored as `noise_multiplier_for` floors BandMF's, so a BLT job's
+    calibrated sigma obeys the same rule.
+
+    Args:
+        target_epsilon: > 0.
+        sensitivity: `blt_accounting.accounting_sensitivity(blt, steps, bands)`.
+        delta: in (0, 1).
+    """
+    sigma = max(SIGMA_MIN, blt_noise_multiplier_for(target_epsilon, sensitivity, delta))
+    if blt_epsilon(sigma, sensitivity, delta) > target_epsilon:
+        raise PrivacyBudgetError(
+            f"sigma={sigma:g} found for epsilon={target_epsilon} at delta={delta} "
+            f"(BLT sensitivity {sensitivity:g}) does not meet it; report this as a bug"
+        )
+    return float(sigma)

@@ -39,6 +39,10 @@ class MechanismKind(enum.StrEnum):
     """`optimized`'s coefficients, every column of C scaled to norm 1 (jax_privacy's
     column normalization for a known n): the last b-1 steps' noise is multiplied by
     s_t < 1, the same sigma and epsilon, 0-3% less error (most at small n / large b)."""
+    BLT = "blt"
+    """A buffered linear Toeplitz strategy (`cocoon_ckpt.dp.blt.BLT`, fitted by
+    `optimized_blt` for the run's steps with bands as its min-sep): d buffers of noise
+    state instead of b-1, accounted without amplification (`dp.blt_accounting`)."""
 
 
 def _validate(bands: int, steps: int) -> None:

@@ -22,6 +22,9 @@ __all__ = ["VersionBounds", "check_bounds"]
 #: Largest RNG state arrays a version holds (torch CPU: 5056 bytes; numpy MT19937: 624).
 _RNG_MAX = 1 << 16
 _NOISE_DTYPES = ("float32", "float64")
+#: Most BLT buffers a version may hold (the optimiser stops at 8; jax_privacy's fits
+#: use fewer than 16).
+_MAX_BUFFERS = 64
 
 
 @dataclass(slots=True)
@@ -96,6 +99,30 @@ class _Checker:
         return s
 
 
+def _blt_slots(c: _Checker, slots: Any, buffers: int) -> list[tuple[int, str, int | None]]:
+    """A BLT's ring: its d buffers, each the state after step (version step - 1), so
+    every label is that one step (none before step 0), each buffer at most once."""
+    if not isinstance(slots, list) or len(slots) > buffers:
+        raise ValueError(
+            f"BLT buffers list {len(slots) if isinstance(slots, list) else slots!r} "
+            f"slots, more than d = {buffers}"
+        )
+    out: list[tuple[int, str, int | None]] = []
+    seen: set[int] = set()
+    for ref in slot_refs(slots, "BLT buffers"):
+        if not 0 <= ref.slot < buffers or ref.slot in seen:
+            raise ValueError(f"BLT buffer index {ref.slot} is repeated or outside [0, {buffers})")
+        seen.add(ref.slot)
+        s = _int(ref.step, f"BLT buffer {ref.array} step label")
+        if s != c.m.step - 1:
+            raise ValueError(
+                f"BLT buffer {ref.array} is labelled step {s}; a version at step "
+                f"{c.m.step} holds the buffers after step {c.m.step - 1}"
+            )
+        out.append((s, ref.array, ref.row))
+    return out
+
+
 def _slots(c: _Checker, slots: Any, what: str) -> list[tuple[int, str, int | None]]:
     if not isinstance(slots, list) or len(slots) > c.bands - 1:
         raise ValueError(
@@ -115,20 +142,39 @@ def _slots(c: _Checker, slots: Any, what: str) -> list[tuple[int, str, int | Non
     return out
 
 
-def _slot_shape(c: _Checker, name: str, row: int | None, width: int) -> tuple[int, ...]:
+def _slot_shape(
+    c: _Checker, name: str, row: int | None, width: int, most: int | None = None
+) -> tuple[int, ...]:
     """The shape a slot's array may have: (width,), or (rows, width) for an array of
-    rows, rows in (row, b-1] (anything else is reported by `c.array`)."""
+    rows, rows in (row, most] (most: b-1 by default; anything else is reported by
+    `c.array`)."""
     if row is None:
         return (width,)
+    most = c.bands - 1 if most is None else most
     meta = c.m.arrays.get(name)
     rows = meta.shape[0] if meta is not None and len(meta.shape) == 2 else -1
-    return (rows if row < rows <= c.bands - 1 else row + 1, width)
+    return (rows if row < rows <= most else row + 1, width)
+
+
+def _blt_buffers(c: _Checker, mech: dict[str, Any]) -> int:
+    """d, from a BLT mechanism record checked against the config."""
+    decay, scale = mech["buf_decay"], mech["output_scale"]
+    if not isinstance(decay, list) or not isinstance(scale, list) or len(decay) != len(scale):
+        raise ValueError("BLT record's buf_decay and output_scale are not lists of one length")
+    if len(decay) > _MAX_BUFFERS:
+        raise ValueError(f"BLT record holds {len(decay)} buffers, more than {_MAX_BUFFERS}")
+    if mech["steps"] != c.out.steps:
+        raise ValueError(
+            f"BLT record is for steps={mech['steps']!r}, the config's n = {c.out.steps}"
+        )
+    return len(decay)
 
 
 def _noise(c: _Checker, rec: dict[str, Any], shapes: dict[str, list[int]]) -> None:
     mech = rec["mechanism"]
-    coeffs = mech["coefficients"]
-    if not isinstance(coeffs, list) or len(coeffs) != c.bands:
+    buffers = _blt_buffers(c, mech) if mech["kind"] == "BLT" else None
+    coeffs = mech.get("coefficients")
+    if buffers is None and (not isinstance(coeffs, list) or len(coeffs) != c.bands):
         raise ValueError(
             f"mechanism record holds {len(coeffs) if isinstance(coeffs, list) else coeffs!r} "
             f"coefficients, the config's b = {c.bands}"
@@ -149,8 +195,13 @@ def _noise(c: _Checker, rec: dict[str, Any], shapes: dict[str, list[int]]) -> No
         start, stop = _int(shard["start"], "shard start"), _int(shard["stop"], "shard stop")
         if not 0 <= start < stop <= dim:
             raise ValueError(f"noise shard [{start}, {stop}) is not inside [0, {dim})")
-        for _s, name, row in _slots(c, shard["slots"], "ring"):
-            if not c.array(name, _slot_shape(c, name, row, stop - start), dtype):
+        if buffers is not None:
+            refs = _blt_slots(c, shard["slots"], buffers)
+        else:
+            refs = _slots(c, shard["slots"], "ring")
+        for _s, name, row in refs:
+            shape = _slot_shape(c, name, row, stop - start, buffers)
+            if not c.array(name, shape, dtype):
                 c.out.noise_ok = False
 
 

@@ -12,6 +12,7 @@ from cocoon_ckpt.records import ModelShapes
 from cocoon_ckpt.train.config import JobConfig
 from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.identity import check_config_optimizer
+from cocoon_ckpt.train.mechanisms import Mechanism
 from cocoon_ckpt.train.parts import JobParts, resolve
 from cocoon_ckpt.train.trainer import DPTrainer
 
@@ -24,8 +25,11 @@ def build_trainer(
     builder: Callable[..., JobParts] | None = None,
     table_plans: dict[str, TablePlan] | None = None,
     dist: DistContext | None = None,
+    mechanism: Mechanism | None = None,
 ) -> DPTrainer:
-    """The trainer of a job (`table_plans`: the embedding plans a resume must keep).
+    """The trainer of a job (`table_plans`: the embedding plans a resume must keep;
+    `mechanism`: the strategy a resume must keep, a stored BLT; None: built from the
+    config).
 
     Raises:
         ValueError: the builder does not take (config) or does not return JobParts.
@@ -60,6 +64,7 @@ def build_trainer(
         parts.dataset,
         config.dp,
         key,
+        mechanism=mechanism,
         tiers=config.tiers,
         embedding=emb,
         table_plans=table_plans,

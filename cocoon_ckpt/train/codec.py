@@ -22,6 +22,7 @@ import torch
 from cocoon_ckpt.layout import ring_rows_name
 from cocoon_ckpt.records import (
     AccountantRecord,
+    BLTRecord,
     GeneratorRecord,
     MechanismRecord,
     NoiseRecord,
@@ -115,12 +116,14 @@ def encode(state: TrainerState, parent: Manifest | None, *, shard_only: bool = F
     snap = Snapshot(step=state["step"])
     noise, layout = state["noise"], state["noise_layout"]
     rank = layout["rank"] or 0
+    # a BLT rewrites every buffer each step: nothing of the parent's can be borrowed
+    blt = noise["kind"] == "BLTNoise"
     slots = encode_slots(
         noise["ring"],
         noise["slot_steps"],
         lambda first, last: ring_rows_name(rank, first, last),
         parent,
-        borrowable(parent, _parent_shard(parent, noise["start"], noise["stop"])),
+        {} if blt else borrowable(parent, _parent_shard(parent, noise["start"], noise["stop"])),
         snap.arrays,
         snap.references,
     )
@@ -149,7 +152,8 @@ def encode(state: TrainerState, parent: Manifest | None, *, shard_only: bool = F
         "t": noise["t"],
         "dim": layout["dim"],
         "dtype": noise["dtype"],
-        "head": noise["t"] % ring_slots if ring_slots else 0,
+        # BLT buffers have no head: each step rewrites all of them
+        "head": noise["t"] % ring_slots if ring_slots and not blt else 0,
         # storage: whole-width slots per rank shard, whatever the placement, so a
         # resume on other tiers or another world size re-plans and loads the same arrays
         "shards": [shard],
@@ -162,7 +166,7 @@ def encode(state: TrainerState, parent: Manifest | None, *, shard_only: bool = F
         "optimizer": _optimizer(state["optimizer"], snap),
         "sampler": cast(SamplerRecord, state["sampler"]),
         "accountant": cast(AccountantRecord, state["accountant"]),
-        "mechanism": cast(MechanismRecord, state["mechanism"]),
+        "mechanism": cast(MechanismRecord | BLTRecord, state["mechanism"]),
         "noise": noise_record,
         "generator": cast(GeneratorRecord, state["generator"]),
         "rng": rng_record,

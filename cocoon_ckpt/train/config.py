@@ -99,12 +99,15 @@ class DPConfig:
     max_grad_norm: float = 1.0
     """Per-sample clipping norm (L2)."""
     bands: int = 1
-    """b, BandMF bands (1 = DP-SGD)."""
+    """b, BandMF bands (1 = DP-SGD): the sampler's partitions, so each example's steps
+    are at least b apart (a BLT's min-sep)."""
     delta: float = 1e-5
     """Target delta of the reported epsilon."""
     mechanism: MechanismKind = MechanismKind.OPTIMIZED
     """How the band coefficients are chosen (`optimized`: the least expected error for
-    these bands and steps; banded_sqrt's is 6-34% higher for b in 2..64)."""
+    these bands and steps; banded_sqrt's is 6-34% higher for b in 2..64), or `blt`: a
+    buffered linear Toeplitz strategy fitted for `steps` with `bands` as its min-sep,
+    accounted without amplification (`cocoon_ckpt.dp.blt_accounting`)."""
     seed: int = 0
     """Sampler and model-initialisation seed (not the noise key, which is secret)."""
     physical_batch_size: int | None = None
@@ -145,6 +148,12 @@ class DPConfig:
             f"be one of {_MECHANISMS}",
         )
         object.__setattr__(self, "mechanism", MechanismKind(self.mechanism))
+        valid.check(
+            self.mechanism is not MechanismKind.BLT or self.steps >= 2,
+            "DPConfig.steps",
+            self.steps,
+            "be >= 2 with mechanism='blt' (a one-step run is DP-SGD: use bands=1)",
+        )
         if self.physical_batch_size is not None:
             valid.integer(
                 "DPConfig.physical_batch_size", self.physical_batch_size, 1, valid.MAX_COUNT
@@ -306,6 +315,13 @@ class JobConfig:
             "JobConfig.embedding",
             self.embedding,
             "be an EmbeddingConfig or None",
+        )
+        valid.check(
+            self.embedding is None or self.dp.mechanism is not MechanismKind.BLT,
+            "JobConfig.embedding",
+            self.embedding,
+            "be None with mechanism='blt' (coalesced table noise is BandMF's in this "
+            "release): use a banded mechanism for an embedding job",
         )
 
     def to_record(self) -> dict[str, Any]:

@@ -1,6 +1,10 @@
 """Resume checks: a version's records against this job (config, model shapes, key,
 generator backend, mechanism), then the trainer restored from it.
 
+A BLT is never fitted again on resume: the trainer is built from the parameters the
+version holds (a fit elsewhere may differ in the last bits, and the noise with it), and
+they are checked against the sensitivity the version's accountant recorded.
+
 A record that cannot be read is a damaged version (`CorruptVersionError`), never a
 crash with a bare KeyError.
 """
@@ -10,7 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from cocoon_ckpt.dp.blt import BLT
 from cocoon_ckpt.dp.generator import check_generator_backend
+from cocoon_ckpt.dp.mechanism import MechanismKind
 from cocoon_ckpt.errors import ConfigMismatchError, NoiseKeyError
 from cocoon_ckpt.keys import key_id
 from cocoon_ckpt.train import config as cfgmod
@@ -19,13 +25,21 @@ from cocoon_ckpt.train.codec import decode
 from cocoon_ckpt.train.config import JobConfig
 from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.identity import identity_differences
+from cocoon_ckpt.train.mechanisms import blt_sensitivity
 from cocoon_ckpt.train.parts import JobParts
 from cocoon_ckpt.train.stored import records_of, stored_table_plans
 from cocoon_ckpt.train.trainer import DPTrainer
 from state import CorruptVersionError, Store, Version
 from state.manifest import manifest_path
 
-__all__ = ["check_identity", "check_records", "malformed_version", "prepare_trainer"]
+__all__ = [
+    "check_blt",
+    "check_identity",
+    "check_records",
+    "malformed_version",
+    "prepare_trainer",
+    "stored_blt",
+]
 
 
 def prepare_trainer(
@@ -40,12 +54,14 @@ def prepare_trainer(
     """The job's trainer; with `resume` = (store, version), checked against the version
     and restored from it."""
     plans = None
+    blt = None
     if resume is not None:
         try:
             plans = stored_table_plans(resume[1])
+            blt = stored_blt(resume[1], config)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             raise malformed_version(*resume, exc) from None
-    trainer = build_trainer(config, key, builder, plans, dist)
+    trainer = build_trainer(config, key, builder, plans, dist, blt)
     try:
         if resume is not None:
             store, latest = resume
@@ -53,6 +69,7 @@ def prepare_trainer(
             check_records(store, latest, config.to_record(), shapes, key, allow_generator_change)
             check_identity(store, latest, trainer, allow_device_change)
             like = trainer.state_dict()
+            check_blt(store, latest, trainer)
             if records_of(latest).get("mechanism") != like["mechanism"]:
                 raise ConfigMismatchError(
                     f"{store.url}: the band coefficients computed now differ from version "
@@ -77,6 +94,40 @@ def prepare_trainer(
         trainer.close()
         raise
     return trainer
+
+
+def stored_blt(version: Version, config: JobConfig) -> BLT | None:
+    """The BLT a version holds when this job runs one (None: another kind, which the
+    config check refuses, or BandMF).
+
+    Raises:
+        ValueError, KeyError, TypeError: the mechanism record is not a valid BLT's.
+    """
+    rec = records_of(version).get("mechanism")
+    if config.dp.mechanism is not MechanismKind.BLT or not isinstance(rec, dict):
+        return None
+    if rec.get("kind") != "BLT":
+        return None
+    return BLT.from_state_dict(dict(rec))
+
+
+def check_blt(store: Store, latest: Version, trainer: DPTrainer) -> None:
+    """Refuse a stored BLT whose sensitivity is not the one the version's accountant
+    recorded: its parameters were changed after the run accounted them, so resuming
+    would add noise the epsilon does not describe."""
+    sens = blt_sensitivity(trainer.config, trainer.mechanism)
+    if sens is None:
+        return
+    acc = records_of(latest).get("accountant")
+    recorded = acc.get("sensitivity") if isinstance(acc, dict) else None
+    if recorded != sens:
+        raise ConfigMismatchError(
+            f"{store.url} (version {latest.version}): the stored BLT's min-sep sensitivity "
+            f"is {sens!r}, its accountant recorded {recorded!r}; the BLT parameters were "
+            "changed after the run accounted them. Resume from a version whose records "
+            "agree, or start a new store",
+            ["mechanism.buf_decay", "mechanism.output_scale"],
+        )
 
 
 def check_identity(

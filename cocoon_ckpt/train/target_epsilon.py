@@ -5,6 +5,10 @@ noise multiplier that meets it is found once, when the job starts on a store wit
 versions (`dp.calibration.noise_multiplier_for`, about 1 s), and the config record
 carries it beside the target. A resume takes it from the store's newest version and
 never recalibrates, so the noise cannot move with the accounting code.
+
+A BLT job (`mechanism='blt'`) is calibrated under its own accounting: one Gaussian at
+the min-sep sensitivity of the BLT fitted for its steps and bands (fitted once per
+process: the trainer built next reuses it), `dp.calibration.blt_noise_multiplier`.
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ import dataclasses
 from typing import Any
 
 from cocoon_ckpt.dp.accountant import epsilon, noise_multiplier_for
+from cocoon_ckpt.dp.blt_accounting import accounting_sensitivity, blt_epsilon
+from cocoon_ckpt.dp.calibration import blt_noise_multiplier
+from cocoon_ckpt.dp.mechanism import MechanismKind
 from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.train.config import DPConfig, JobConfig
 from cocoon_ckpt.train.fingerprint import check_resume
@@ -33,6 +40,15 @@ _INPUTS: dict[str, Any] = {
 }
 
 
+def _blt_sensitivity(dp: DPConfig) -> float | None:
+    """The min-sep sensitivity of the BLT this job fits (None: not a BLT job)."""
+    if dp.mechanism is not MechanismKind.BLT:
+        return None
+    from cocoon_ckpt.dp.blt_optimize import job_blt  # torch: only for a BLT job
+
+    return accounting_sensitivity(job_blt(dp.steps, dp.bands), dp.steps, dp.bands)
+
+
 def calibrate(dp: DPConfig) -> DPConfig:
     """`dp` with sigma calibrated for its target: the smallest sigma >= 0.3 whose epsilon
     after `dp.steps` steps at `dp.delta` is <= `dp.target_epsilon` under `dp.accountant`.
@@ -43,6 +59,10 @@ def calibrate(dp: DPConfig) -> DPConfig:
     """
     if dp.noise_multiplier is not None or dp.target_epsilon is None:
         return dp
+    sens = _blt_sensitivity(dp)
+    if sens is not None:
+        sigma = blt_noise_multiplier(dp.target_epsilon, sens, dp.delta)
+        return dataclasses.replace(dp, noise_multiplier=sigma, calibrated=True)
     sigma = noise_multiplier_for(
         dp.target_epsilon,
         dp.dataset_size,
@@ -64,8 +84,19 @@ def check_target(dp: DPConfig) -> None:
     """
     if not dp.is_calibrated or dp.target_epsilon is None:
         return
-    spent = epsilon(
-        dp.sigma, dp.dataset_size, dp.batch_size, dp.steps, dp.bands, dp.delta, str(dp.accountant)
+    sens = _blt_sensitivity(dp)
+    spent = (
+        blt_epsilon(dp.sigma, sens, dp.delta)
+        if sens is not None
+        else epsilon(
+            dp.sigma,
+            dp.dataset_size,
+            dp.batch_size,
+            dp.steps,
+            dp.bands,
+            dp.delta,
+            str(dp.accountant),
+        )
     )
     if spent > dp.target_epsilon:
         raise ConfigError(
@@ -76,7 +107,9 @@ def check_target(dp: DPConfig) -> None:
 
 
 def _inputs(dp_record: dict[str, Any]) -> tuple[Any, ...]:
-    return tuple(dp_record.get(k, default) for k, default in _INPUTS.items())
+    # of the mechanism, the calibration reads only whether it is a BLT (its accounting)
+    blt = dp_record.get("mechanism") == MechanismKind.BLT.value
+    return (*(dp_record.get(k, default) for k, default in _INPUTS.items()), blt)
 
 
 def resolve(config: JobConfig, stored: dict[str, Any] | None, where: str) -> JobConfig:

@@ -4,23 +4,20 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from cocoon_ckpt._state_dict import uncompiled
-from cocoon_ckpt.dp.accountant import Accountant
 from cocoon_ckpt.dp.generator import NoiseRng, as_noise_rng, generator_backend
-from cocoon_ckpt.dp.mechanism import BandMF, MechanismKind
-from cocoon_ckpt.dp.noise import CorrelatedNoise
+from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.dp.sampler import CyclicPoissonSampler
 from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.embedding.engine import TablePlan
 from cocoon_ckpt.embedding.tables import EmbeddingNoise
 from cocoon_ckpt.errors import ConfigError
-from cocoon_ckpt.tiers.build import build_history
 from cocoon_ckpt.tiers.config import TierConfig
 from cocoon_ckpt.train.config import DPConfig
 from cocoon_ckpt.train.data import Batch
@@ -29,6 +26,13 @@ from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.grads import PerSampleGrads
 from cocoon_ckpt.train.identity import job_identity
 from cocoon_ckpt.train.job_data import JobData
+from cocoon_ckpt.train.mechanisms import (
+    Mechanism,
+    build_accountant,
+    build_mechanism,
+    build_noise,
+    check_mechanism,
+)
 from cocoon_ckpt.train.noisy_grads import NoisyGradients
 from cocoon_ckpt.train.step_result import StepResult
 from cocoon_ckpt.train.table_noise import table_noise
@@ -53,19 +57,8 @@ AFTER_UPDATE = hooks.declare("trainer.after_update", "after the optimizer step o
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def build_mechanism(config: DPConfig) -> BandMF:
-    """The BandMF mechanism a config asks for."""
-    if config.mechanism is MechanismKind.OPTIMIZED:
-        return BandMF.optimized(config.bands, config.steps)
-    if config.mechanism is MechanismKind.OPTIMIZED_COLNORM:
-        return BandMF.optimized_colnorm(config.bands, config.steps)
-    if config.mechanism is MechanismKind.BANDED_SQRT:
-        return BandMF.banded_sqrt(config.bands, config.steps)
-    raise ConfigError(f"DPConfig.mechanism={config.mechanism.value!r} cannot be built yet")
-
-
 class DPTrainer:
-    """Trains `model` with b-banded correlated noise.
+    """Trains `model` with correlated noise (b-banded BandMF, or a BLT).
 
     Each step: sample the batch of step t, move it to the model's device, take
     per-sample gradients with `torch.func.vmap(grad(...))` (in chunks of at most
@@ -82,7 +75,8 @@ class DPTrainer:
             `len(data)` must be `config.dataset_size`.
         config: the privacy configuration.
         noise_key: 32 secret bytes for the keyed noise.
-        mechanism: the mechanism (built from `config` by default).
+        mechanism: the mechanism, a `BandMF` or (with `config.mechanism='blt'`) a `BLT`
+            (built from `config` by default; a resume passes the stored one).
         tiers: where the noise history lives (`cocoon_ckpt.tiers`; None: the host).
         embedding: noise for sparse embedding tables (`cocoon_ckpt.embedding`): their
             gradients are taken per row, and their noise follows the configured path.
@@ -107,7 +101,7 @@ class DPTrainer:
         data: Dataset[Any] | Sequence[torch.Tensor],
         config: DPConfig,
         noise_key: bytes,
-        mechanism: BandMF | None = None,
+        mechanism: Mechanism | None = None,
         tiers: TierConfig | None = None,
         embedding: EmbeddingConfig | None = None,
         table_plans: dict[str, TablePlan] | None = None,
@@ -163,14 +157,14 @@ class DPTrainer:
         self.scheduler = scheduler
         self.stateful = dict(stateful or {})
         self.config = config
-        self.mechanism = mechanism or build_mechanism(config)
+        self.mechanism: Mechanism = mechanism or build_mechanism(config)
+        check_mechanism(config, self.mechanism, embedding=embedding is not None)
         self._noisy = NoisyGradients(model, self.param_names, config.batch_size)
         self.dim = sum(self._noisy.sizes)
         noise_dtype = "float64" if self.grads.dtype == torch.float64 else "float32"
         self.dist = dist
         start, stop = dist.bounds(self.dim) if dist is not None else (0, self.dim)
-        history = build_history(self.mechanism.bands - 1, stop - start, noise_dtype, tiers)
-        self.noise = CorrelatedNoise(
+        self.noise = build_noise(
             self.mechanism,
             self.dim,
             noise_key,
@@ -178,7 +172,7 @@ class DPTrainer:
             noise_dtype,
             start=start,
             stop=stop,
-            history=history,
+            tiers=tiers,
             rng=self.noise_rng,
         )
         self.sampler = CyclicPoissonSampler(
@@ -187,14 +181,7 @@ class DPTrainer:
             bands=config.bands,
             seed=config.seed,
         )
-        self.accountant = Accountant(
-            noise_multiplier=config.sigma,
-            dataset_size=config.dataset_size,
-            batch_size=config.batch_size,
-            bands=config.bands,
-            delta=config.delta,
-            method=str(config.accountant),
-        )
+        self.accountant = build_accountant(config, self.mechanism)
         # what really runs, as built (a resume compares it before loading anything)
         self.identity = job_identity(
             optimizer, scheduler, self.dataset, self.data.size, config.seed, self.device
@@ -216,7 +203,7 @@ class DPTrainer:
                 scheduler,
                 self.data.tensors,
                 self.sampler.schedule(config.steps),
-                self.mechanism,
+                cast(BandMF, self.mechanism),  # check_mechanism refused a BLT with tables
                 noise_key,
                 config,
                 table_plans,

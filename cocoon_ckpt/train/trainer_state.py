@@ -19,6 +19,7 @@ from cocoon_ckpt._state_dict import check_state
 from cocoon_ckpt.records import IdentityRecord, PlacementRecord
 
 if TYPE_CHECKING:
+    from cocoon_ckpt.dp.blt_noise import BLTNoise
     from cocoon_ckpt.dp.noise import CorrelatedNoise
     from cocoon_ckpt.embedding.csc import CoalescedCSC
     from cocoon_ckpt.embedding.tables import EmbeddingNoise
@@ -111,14 +112,16 @@ class TrainerState(TypedDict):
     optimizer: dict[str, Any]
     """torch's optimizer state_dict."""
     noise: dict[str, Any]
-    """`CorrelatedNoise.state_dict()` of this rank's shard: its `ring` is the live
+    """`CorrelatedNoise.state_dict()` (or `BLTNoise.state_dict()`, its d buffers as the
+    ring, every one new each version) of this rank's shard: its `ring` is the live
     `RingHistory`, of which a checkpoint copies only the slots new since its parent."""
     noise_layout: NoiseLayout
     sampler: dict[str, Any]
     accountant: dict[str, Any]
     """`Accountant.state_dict(with_epsilon=False)`: the writer computes epsilon."""
     mechanism: dict[str, Any]
-    """`BandMF.state_dict()` (a resume compares it before loading)."""
+    """`BandMF.state_dict()` or `BLT.state_dict()` (a resume compares it before loading,
+    and rebuilds a BLT from it rather than fitting one again)."""
     generator: dict[str, Any]
     """The generator backend (a resume checks it before loading)."""
     rng: RngState
@@ -186,7 +189,7 @@ def load_parts(state: TrainerState, scheduler: Any, stateful: dict[str, Any]) ->
 
 
 def noise_layout(
-    noise: CorrelatedNoise, dim: int, param_names: list[str], rank: int | None
+    noise: CorrelatedNoise | BLTNoise, dim: int, param_names: list[str], rank: int | None
 ) -> NoiseLayout:
     """The layout of `noise`, this rank's shard of a `dim`-long vector."""
     placement = [
