@@ -4,7 +4,8 @@ dense online mechanism, side by side in one run, on synthetic Zipf data.
     python bench/dlrm.py [--scale 0.02] [--dim 16] [--batch 1024] [--zipf 1.1]
                          [--steps 40] [--bands 2 4 8 16 32] [--timed 5]
                          [--precompute-threads N] [--serial-precompute]
-                         [--sequential] [--lazy-scale 0.1] [--lazy-batch 256]
+                         [--sequential] [--fresh-floor]
+                         [--lazy-scale 0.1] [--lazy-batch 256]
 
 Tables: the 26 Criteo Kaggle tables (row counts as published with the DLRM reference,
 33,762,577 rows in all) times --scale; the header lists the row counts used. Scale 0.1
@@ -39,7 +40,10 @@ against coalescing every read row and against the dense count (every row, every 
 CSC bytes against table bytes, the precompute time (tiles on --precompute-threads
 threads; with --serial-precompute also on one thread, its CSC checked equal bit for bit)
 and end-to-end time over --steps steps including the precompute, against the fastest
-baseline's. Then b = 1: lazy DP-SGD noise (one Gaussian per gap, drawn when a row is
+baseline's; with --fresh-floor also the time to draw the precompute's fresh noise alone
+(the same Gaussians as n dense steps draw for the cold rows, so a floor no tiling or
+thread count goes below, and the end-to-end ratio a precompute costing only that would
+give). Then b = 1: lazy DP-SGD noise (one Gaussian per gap, drawn when a row is
 read) against dense DP-SGD noise over the whole tables, on --lazy-scale tables.
 """
 
@@ -161,6 +165,8 @@ def make_engine(name: str, args: argparse.Namespace, b: int, rows: list[int], da
         use_ring(tr, lambda s, w, d: TorchMvRing(s, w, d, dev))
     if name != "coalesced":
         return tr, 0.0, None
+    if args.fresh_floor:
+        args.floor[b] = fresh_floor(tr)
     serial = None
     if args.serial_precompute:
         t0 = time.perf_counter()
@@ -189,6 +195,19 @@ def make_engine(name: str, args: argparse.Namespace, b: int, rows: list[int], da
                 if x.dtype != y.dtype or not np.array_equal(x, y):
                     raise SystemExit("the parallel precompute's CSC differs from the serial one")
     return tr, pre, serial
+
+
+def fresh_floor(tr: DPTrainer) -> float:
+    """Seconds to draw, alone, the fresh noise the precompute draws: every cold
+    coordinate of every coalesced table at every step (the same Gaussians, bit for bit,
+    as n dense steps draw for those rows), on torch's threads."""
+    assert tr.embedding is not None
+    t0 = time.perf_counter()
+    for e in tr.embedding.engines:
+        if e.plan.mode is TableMode.COALESCED and e.rows > e.plan.hot:
+            for t in range(tr.config.steps):
+                e.noise.fresh(t, e.plan.hot * e.dim, e.rows * e.dim)
+    return time.perf_counter() - t0
 
 
 def serial_csc(e: Any) -> Any:
@@ -246,9 +265,15 @@ def main() -> None:
         help="also precompute on one thread: its time, and the CSC checked bit-equal",
     )
     ap.add_argument("--sequential", action="store_true", help="one engine alive at a time")
+    ap.add_argument(
+        "--fresh-floor",
+        action="store_true",
+        help="also time drawing the precompute's fresh noise alone (its floor)",
+    )
     ap.add_argument("--lazy-scale", type=float, default=0.1)
     ap.add_argument("--lazy-batch", type=int, default=256)
     args = ap.parse_args()
+    args.floor = {}
     rows = table_rows("criteo-kaggle", args.scale)
     n_data = args.batch * max(args.bands) * 2
     x, ids, y = make_data(n_data, 13, rows, args.zipf, 1)
@@ -283,6 +308,13 @@ def main() -> None:
             f"{stats['csc_bytes'] / stats['table_bytes']:8.2f}x  {pre:7.1f}s {one:14}  "
             f"{1 / e2e:5.2f}x"
         )
+        if b in args.floor:
+            fl = args.floor[b]
+            h3.append(
+                f"b={b}: the precompute's fresh noise alone takes {fl:.1f}s "
+                f"({fl / pre:.2f} of the precompute); end-to-end with a precompute costing "
+                f"only that: {args.steps * base / (fl + args.steps * res['coalesced']):.2f}x"
+            )
         h3.append(
             f"b={b}: threshold 3 would make {stats['h3_hot']:,} rows hot, "
             f"{stats['h3_per_step']:,.0f} entries/step, CSC/table "
