@@ -17,6 +17,7 @@ from cocoon_ckpt import ConfigMismatchError, DPConfig, JobConfig, run_job
 from cocoon_ckpt.dp.blt_accounting import accounting_sensitivity, blt_epsilon
 from cocoon_ckpt.dp.blt_optimize import job_blt, rational_approx_blt
 from cocoon_ckpt.dp.mechanism import MechanismKind
+from cocoon_ckpt.dp.plan import plan
 from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.tools.audit import audit_store
@@ -191,3 +192,24 @@ def test_target_epsilon_is_calibrated_under_the_blt_accounting() -> None:
     sens = accounting_sensitivity(job_blt(STEPS, BANDS), STEPS, BANDS)
     assert blt_epsilon(sigma, sens, 1e-5) <= 8.0
     assert blt_epsilon(sigma * (1 - 1e-6), sens, 1e-5) > 8.0 or sigma == 0.3
+
+
+def test_plan_weighs_blt_under_its_own_accounting() -> None:
+    out = plan(
+        target_epsilon=8.0,
+        delta=1e-5,
+        dataset_size=512,
+        batch_size=16,
+        steps=STEPS,
+        bands=[BANDS],
+        mechanisms=["optimized", "blt"],
+        model_params=1000,
+    )
+    (row,) = [r for r in out.rows if r.mechanism is MechanismKind.BLT]
+    blt = job_blt(STEPS, BANDS)
+    sens = accounting_sensitivity(blt, STEPS, BANDS)
+    assert blt_epsilon(row.noise_multiplier, sens, 1e-5) <= 8.0
+    want = (row.noise_multiplier / sens) ** 2 * blt.minsep_loss(BANDS) / STEPS
+    assert row.predicted_error == pytest.approx(want, rel=1e-12)
+    assert row.state_bytes_per_param == 4 * blt.buffers
+    assert row.state_bytes == 4 * blt.buffers * 1000
