@@ -20,9 +20,11 @@ from cocoon_ckpt.dp.mechanism import MechanismKind
 from cocoon_ckpt.dp.plan import plan
 from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.errors import ConfigError
+from cocoon_ckpt.tiers.config import TierConfig
 from cocoon_ckpt.tools.audit import audit_store
 from cocoon_ckpt.train.target_epsilon import calibrate
 from cocoon_ckpt.train.trainer import DPTrainer
+from fault_injection import CrashPointHit, crash_at, disarm_all
 from state import Store, restamp
 
 STEPS, BANDS = 12, 2
@@ -79,6 +81,42 @@ def test_stop_and_resume_is_bit_identical(gold: tuple[Path, str], tmp_path: Path
         assert all((x == y).all() for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.parametrize("point", ["noise.after_gemv", "trainer.after_update"])
+def test_a_crash_mid_step_resumes_bit_identical(
+    gold: tuple[Path, str], tmp_path: Path, point: str
+) -> None:
+    """Crash between the GEMV and the buffers' update (or after the update), then
+    resume: the buffers come from the last version, never from the torn memory."""
+    root, key = gold
+    url = str(tmp_path / "crash.zarr")
+    crash_at(point, step=8)
+    try:
+        with pytest.raises(CrashPointHit):
+            run_job(_config(async_checkpoint=False), url, key_file=key)
+    finally:
+        disarm_all()
+    assert run_job(_config(), url, key_file=key).resumed_from == 5
+    want, got = _model_arrays(root), _model_arrays(Path(url))
+    assert all(np.array_equal(want[k], got[k]) for k in want)
+
+
+def test_a_resume_on_the_far_tier_is_bit_identical(gold: tuple[Path, str], tmp_path: Path) -> None:
+    """The buffers are a RingHistory like BandMF's ring: the tiers hold them, and the
+    noise does not depend on where they lie."""
+    root, key = gold
+    url = str(tmp_path / "far.zarr")
+    run_job(_config(), url, key_file=key, stop_after=7)
+    far = TierConfig(
+        device_bytes=1 << 26, host_bytes=0, far_bytes=1 << 30, counts={"device": 0, "far": 1}
+    )
+    assert run_job(_config(tiers=far), url, key_file=key).resumed_from == 5
+    want, got = _model_arrays(root), _model_arrays(Path(url))
+    assert all(np.array_equal(want[k], got[k]) for k in want)
+    latest = Store.open(url, create=False).latest()
+    assert latest is not None
+    assert [p["tier"] for p in latest.records["noise"]["placement"]] == ["far"]
+
+
 def test_each_version_stores_all_buffers_and_the_audit_regenerates_them(
     gold: tuple[Path, str],
 ) -> None:
@@ -123,7 +161,7 @@ def test_a_changed_stored_blt_is_refused(gold: tuple[Path, str], tmp_path: Path)
         run_job(_config(), str(url), key_file=key)
 
 
-def _float64_job(blt_buffers: int) -> tuple[DPTrainer, torch.Tensor]:
+def _float64_job(blt_buffers: int, rng: str = "default") -> tuple[DPTrainer, torch.Tensor]:
     torch.manual_seed(0)
     x = torch.randn(64, 5, dtype=torch.float64)
     y = torch.randint(0, 3, (64,))
@@ -136,6 +174,7 @@ def _float64_job(blt_buffers: int) -> tuple[DPTrainer, torch.Tensor]:
         noise_multiplier=0.7,
         bands=BANDS,
         mechanism=MechanismKind.BLT,
+        noise_rng=rng,
     )
     blt = rational_approx_blt(blt_buffers, STEPS)
     trainer = DPTrainer(model, opt, nn.functional.cross_entropy, (x, y), dp, KEY, mechanism=blt)
@@ -147,8 +186,9 @@ def _float64_job(blt_buffers: int) -> tuple[DPTrainer, torch.Tensor]:
     return trainer, torch.stack(noise)
 
 
-def test_trained_noise_is_the_dense_solve() -> None:
-    trainer, got = _float64_job(3)
+@pytest.mark.parametrize("rng", ["default", "secure"])
+def test_trained_noise_is_the_dense_solve(rng: str) -> None:
+    trainer, got = _float64_job(3, rng)
     want = trainer.noise.materialize(8)
     assert trainer.noise.history_bytes() == 3 * trainer.dim * 8
     assert torch.allclose(got, want, rtol=0, atol=1e-12 * float(want.abs().max()))
