@@ -8,10 +8,11 @@ last read is its tail (column n). Each coordinate's arithmetic is elementwise an
 fixed order, so the entries are bit-identical for any tiling and any order of tiles.
 
 Tiles are independent, so several run at once, one thread each (numpy, torch and the
-compiled kernels release the GIL while they work on arrays), with the same bits: on
-this 2-core machine, under other load, 1.7-4.1x faster than one thread (bench/dlrm.py
---serial-precompute), more than 2x because a tile thread's torch and numba run on one
-thread each, with no intra-op barriers to wait on.
+compiled kernels release the GIL while they work on arrays), with the same bits. Each
+worker runs torch and numba on one thread: one tile at a time on their intra-op threads
+leaves the Python-side work serial and waits at their barriers, which stall when other
+processes share the cores. Measured on this 2-core machine under other load: 2.3x
+(median of 5 interleaved runs, 60,000 rows, b = 8; bench/dlrm.py --serial-precompute).
 """
 
 from __future__ import annotations
