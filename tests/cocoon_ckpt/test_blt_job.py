@@ -63,8 +63,15 @@ def test_stop_and_resume_is_bit_identical(gold: tuple[Path, str], tmp_path: Path
     url = str(tmp_path / "run.zarr")
     for stop in (3, 7):  # between checkpoints: the work since the last one is redone
         run_job(_config(), url, key_file=key, stop_after=stop)
-    res = run_job(_config(), url, key_file=key)
+    fitted = job_blt(STEPS, BANDS)
+    job_blt.cache_clear()
+    try:
+        res = run_job(_config(), url, key_file=key)
+        assert job_blt.cache_info().misses == 0  # the stored BLT ran: nothing was fitted
+    finally:
+        job_blt.cache_clear()
     assert res.resumed_from == 5 and res.steps_done == STEPS
+    assert job_blt(STEPS, BANDS).state_dict() == fitted.state_dict()  # deterministic fit
     want, got = _model_arrays(root), _model_arrays(Path(url))
     assert want.keys() == got.keys()
     assert all(np.array_equal(want[k], got[k]) for k in want)
