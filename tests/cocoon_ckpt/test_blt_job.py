@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -260,3 +261,16 @@ def test_plan_weighs_blt_under_its_own_accounting() -> None:
     assert row.predicted_error == pytest.approx(want, rel=1e-12)
     assert row.state_bytes_per_param == 4 * blt.buffers
     assert row.state_bytes == 4 * blt.buffers * 1000
+
+
+def test_a_forged_buffer_label_is_out_of_bounds(gold: tuple[Path, str], tmp_path: Path) -> None:
+    root, key = gold
+    url = tmp_path / "forged.zarr"
+    shutil.copytree(root, url, symlinks=True)
+    newest = max((url / "manifests").glob("*.json"))
+    doc = json.loads(newest.read_text())
+    slot = doc["records"]["noise"]["shards"][0]["slots"][0]
+    slot[1] -= 1  # the buffers of a version are those after its last step, never older
+    newest.write_bytes(restamp(doc))
+    report = audit_store(str(url), key_file=key, seed=3)
+    assert any("BLT buffer" in f.message and "labelled step" in f.message for f in report.findings)
