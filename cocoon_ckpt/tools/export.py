@@ -20,7 +20,7 @@ import torch
 
 from cocoon_ckpt._state_dict import plain_keys
 from cocoon_ckpt.dp.accountant import AccountingMethod
-from cocoon_ckpt.dp.accountant import epsilon as compute_epsilon
+from cocoon_ckpt.dp.accounting import epsilon_of_run
 from cocoon_ckpt.errors import CocoonError, ConfigError
 from cocoon_ckpt.layout import THREAT_MODEL_DEFAULT
 from cocoon_ckpt.tools.guarantee import describe
@@ -208,15 +208,7 @@ def export_model(
     except ConfigError as exc:
         raise _damaged(latest, str(exc)) from None
     eps = (
-        compute_epsilon(
-            dp.sigma,
-            dp.dataset_size,
-            dp.batch_size,
-            done,
-            dp.bands,
-            dp.delta,
-            method.value,
-        )
+        epsilon_of_run(rec["config"]["dp"], rec.get("mechanism"), done, method.value)
         if done > 0
         else 0.0
     )

@@ -113,9 +113,7 @@ def describe(
         "noise_multiplier_means": _sigma_means(sigma, target, dp, planned),
         "max_grad_norm": float(dp["max_grad_norm"]),
         "accounting_method": accounting_method,
-        "accounting": f"amplified BandMF: Poisson-subsampled Gaussian with q = B b / N = "
-        f"{q:.6g}, composed ceil(n / b) = {rounds} times (dp-accounting "
-        f"{accounting_method.upper()}; under zero-out adjacency)",
+        "accounting": _accounting(records, q, rounds, accounting_method, sigma, bands),
         "steps": steps_done,
         "steps_planned": planned,
         "complete": steps_done == planned,
@@ -126,3 +124,23 @@ def describe(
         "noise: the guarantee covers the model and the noise state, not them; do not "
         "release a store's metrics record as private output",
     }
+
+
+def _accounting(
+    records: dict[str, Any], q: float, rounds: int, method: str, sigma: float, bands: int
+) -> str:
+    """How epsilon was composed, in words: amplified BandMF, or a BLT's one Gaussian."""
+    if records.get("mechanism", {}).get("kind") == "BLT":
+        sens = records.get("accountant", {}).get("sensitivity")
+        return (
+            f"BLT: one Gaussian mechanism with noise multiplier sigma / sensitivity = "
+            f"{sigma} / {sens} over the whole run (the sensitivity of C under "
+            f"{bands}-min-separated participation); no amplification by sampling, since "
+            "C is not banded; exact at the last step, an upper bound before it "
+            f"(dp-accounting {method.upper()}; under zero-out adjacency)"
+        )
+    return (
+        f"amplified BandMF: Poisson-subsampled Gaussian with q = B b / N = {q:.6g}, "
+        f"composed ceil(n / b) = {rounds} times (dp-accounting {method.upper()}; under "
+        "zero-out adjacency)"
+    )

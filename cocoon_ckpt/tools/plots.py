@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from cocoon_ckpt.dp.blt import BLT
 from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.errors import MissingExtraError
 from cocoon_ckpt.layout import array_kind
@@ -82,7 +83,9 @@ class EpsilonCurve:
         return self.epsilons[bisect.bisect_right(self.steps, k) - 1]
 
 
-def epsilon_curve(dp: dict[str, Any], method: str = "pld") -> EpsilonCurve:
+def epsilon_curve(
+    dp: dict[str, Any], method: str = "pld", mechanism: dict[str, Any] | None = None
+) -> EpsilonCurve:
     """Epsilon after every step 0..n of a config, composed once per participation round.
 
     With b-min-separated participation a round is b steps: the accounting composes
@@ -92,12 +95,14 @@ def epsilon_curve(dp: dict[str, Any], method: str = "pld") -> EpsilonCurve:
     Args:
         dp: the `dp` mapping of a config record.
         method: the accountant's method (`pld`, ...).
+        mechanism: the version's mechanism record (a BLT run is one Gaussian over the
+            whole run: its epsilon is the same bound at every step).
     """
     n, b = int(dp["steps"]), int(dp["bands"])
     steps = [0, *range(1, n + 1, b)]
     if steps[-1] != n:
         steps.append(n)  # the last point, where the curve ends
-    eps = [0.0, *(config_epsilon(dp, k, method) for k in steps[1:])]
+    eps = [0.0, *(config_epsilon(dp, k, method, mechanism) for k in steps[1:])]
     return EpsilonCurve(steps=steps, epsilons=eps)
 
 
@@ -204,7 +209,9 @@ def write_plots(
     panels = (["loss"] if "loss" in curves else []) + others[:_MAX_PANELS]
     fig, axes = plt.subplots(1 + len(panels), 1, figsize=(6, 3 + 2 * len(panels)), sharex=True)
     axes = np.atleast_1d(axes)
-    curve = epsilon_curve(dp, str(rec.get("accountant", {}).get("method", "pld")))
+    curve = epsilon_curve(
+        dp, str(rec.get("accountant", {}).get("method", "pld")), rec.get("mechanism")
+    )
     ax = axes[0]
     ax.step(curve.steps, curve.epsilons, where="post", label="recomputed from the config")
     stored = [m for m in vs if m.step > 0]
@@ -229,9 +236,16 @@ def write_plots(
     dim = int(rec["noise"]["dim"])
     clip = float(dp["max_grad_norm"])
     std = float(dp["noise_multiplier"]) * clip
-    mech = BandMF.from_state_dict(rec["mechanism"])
     horizon = max([*seen, newest.step - 1, 0]) + 1
-    expected = std * np.sqrt(dim) * _inverse_row_norms(mech.coefficients, horizon)
+    if rec["mechanism"].get("kind") == "BLT":
+        # a BLT's stored rows are its buffers, not past w_t: only the expected curve
+        blt = BLT.from_state_dict(rec["mechanism"])
+        seen = {}
+        row_norms = np.sqrt(np.cumsum(blt.inverse_coefficients(horizon) ** 2))
+    else:
+        mech = BandMF.from_state_dict(rec["mechanism"])
+        row_norms = _inverse_row_norms(mech.coefficients, horizon)
+    expected = std * np.sqrt(dim) * row_norms
     ax.plot(range(horizon), expected, "-", label="expected ||w_t|| (std sqrt(m) ||C^-1 row||)")
     if seen:
         ks = sorted(seen)

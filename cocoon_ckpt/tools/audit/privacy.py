@@ -50,7 +50,7 @@ def privacy_info(
     dp = rec["config"]["dp"]
     method = str(rec["accountant"].get("method", "pld"))
     eps = (
-        config_epsilon(dp, newest.step, method)
+        config_epsilon(dp, newest.step, method, rec.get("mechanism"))
         if 0 < newest.step <= bounds[newest.version].steps
         else 0.0
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from cocoon_ckpt.dp.accountant import epsilon as compute_epsilon
+from cocoon_ckpt.dp.accounting import epsilon_of_run
 from cocoon_ckpt.tools.audit.report import AuditReport
 from cocoon_ckpt.tools.bounds import VersionBounds
 from cocoon_ckpt.train import config as cfgmod
@@ -19,23 +19,19 @@ from state import Manifest
 __all__ = ["check_metrics", "check_records", "config_epsilon"]
 
 
-def config_epsilon(dp: dict[str, Any], steps: int, method: str) -> float:
-    """Epsilon after `steps` steps, from the config's dp record alone.
+def config_epsilon(
+    dp: dict[str, Any], steps: int, method: str, mechanism: dict[str, Any] | None = None
+) -> float:
+    """Epsilon after `steps` steps, from the config's dp record and the version's
+    mechanism record (a BLT run is accounted as one Gaussian, `dp.blt_accounting`).
 
     Args:
         dp: the `dp` mapping of a config record.
         steps: steps taken (>= 1).
         method: the accountant's method (`pld`, ...).
+        mechanism: the version's `mechanism` record (None: BandMF).
     """
-    return compute_epsilon(
-        float(dp["noise_multiplier"]),
-        int(dp["dataset_size"]),
-        int(dp["batch_size"]),
-        steps,
-        int(dp["bands"]),
-        float(dp["delta"]),
-        method,
-    )
+    return epsilon_of_run(dp, mechanism, steps, method)
 
 
 def check_records(
@@ -170,7 +166,7 @@ def _check_accountant(
             )
     if not 0 < m.step <= steps:
         return 0
-    eps = config_epsilon(dp, m.step, str(acc.get("method", "pld")))
+    eps = config_epsilon(dp, m.step, str(acc.get("method", "pld")), m.records.get("mechanism"))
     stored = acc.get("epsilon")
     if not isinstance(stored, (int, float)) or not math.isclose(
         stored, eps, rel_tol=1e-9, abs_tol=1e-12
