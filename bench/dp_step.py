@@ -6,7 +6,12 @@ and a digits-sized MLP (64-64-10, Tanh, 1,437 examples, batch 20: examples/digit
 shape). Each round times every contender in turn (`--steps` steps after a warm-up);
 rounds interleave them, so a neighbour's load on a shared machine falls on all of them
 alike, and the ratios are taken within a round. Printed: each contender's median
-ms/step and the median of the per-round ratios ours / opacus and ours / non-private.
+ms/step and the median of the per-round ratios ours / opacus, ours-eager / opacus,
+ours / ours-eager and ours / non-private. "ours" replays each chunk's recorded aten ops
+(train.traced_grads, the default); "ours-eager" is the same trainer with
+`trace_after=None`, the torch.func path on every chunk (the A/B of the replay, same
+bits). The first chunk of each new Poisson batch size is recorded and checked against
+eager, so early rounds of "ours" carry that one-time cost (its round range shows it).
 
     python bench/dp_step.py [--hidden 256] [--batch 64] [--steps 50] [--rounds 7]
         [--threads 1] [--model both|mlp|digits]
@@ -28,6 +33,7 @@ from torch import nn
 
 from cocoon_ckpt import DPConfig, JobConfig
 from cocoon_ckpt.train.build import build_trainer
+from cocoon_ckpt.train.traced_grads import TracedChunk
 from cocoon_ckpt.train.trainer import DPTrainer
 
 Step = Callable[[], Any]
@@ -75,9 +81,10 @@ def digits_job(batch: int, total: int) -> tuple[DPTrainer, Callable[[], nn.Modul
 
 
 def contenders(
-    trainer: DPTrainer, make_model: Callable[[], nn.Module], batch: int
+    trainer: DPTrainer, eager: DPTrainer, make_model: Callable[[], nn.Module], batch: int
 ) -> dict[str, Step]:
-    """ours, non-private and (if installed) opacus steps on the same data."""
+    """ours (replayed tapes: train.traced_grads), ours-eager (the vmap path every chunk,
+    as before the tapes), non-private and (if installed) opacus steps on the same data."""
     x, y = trainer.data.tensors
     n = int(x.shape[0])
     model = make_model()
@@ -90,7 +97,12 @@ def contenders(
         nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()  # type: ignore[no-untyped-call]
         opt.step()
 
-    steps: dict[str, Step] = {"ours": trainer.train_step, "non-private": plain_step}
+    eager.grads.trace_after = None  # the eager path on every chunk: the A/B baseline
+    steps: dict[str, Step] = {
+        "ours": trainer.train_step,
+        "ours-eager": eager.train_step,
+        "non-private": plain_step,
+    }
     try:
         from opacus import PrivacyEngine
     except ImportError:
@@ -119,7 +131,8 @@ def contenders(
     return steps
 
 
-def compare(name: str, trainer: DPTrainer, steps: dict[str, Step], args: Any) -> None:
+def compare(name: str, trainers: list[DPTrainer], steps: dict[str, Step], args: Any) -> None:
+    trainer = trainers[0]
     times: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(args.rounds):
         for k, step in steps.items():
@@ -127,17 +140,26 @@ def compare(name: str, trainer: DPTrainer, steps: dict[str, Step], args: Any) ->
     med = {k: statistics.median(v) for k, v in times.items()}
     cols = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in med.items())
     print(f"{name} (dim {trainer.dim}): median ms/step: {cols}")
-    for base in ("opacus", "non-private"):
+    pairs = [("ours", "opacus"), ("ours-eager", "opacus"), ("ours", "ours-eager")]
+    pairs.append(("ours", "non-private"))
+    for ours, base in pairs:
         if base in times:
-            ratios = [a / b for a, b in zip(times["ours"], times[base], strict=True)]
+            ratios = [a / b for a, b in zip(times[ours], times[base], strict=True)]
             lo, hi = min(ratios), max(ratios)
             print(
-                f"  ours / {base}: median {statistics.median(ratios):.2f} "
+                f"  {ours} / {base}: median {statistics.median(ratios):.2f} "
                 f"(rounds {lo:.2f}-{hi:.2f})"
             )
     if "opacus" not in steps:
         print("  opacus not installed (pip install opacus): its column is skipped")
-    trainer.close()
+    fns = [f for f in trainer.grads._chunk_fns.values() if isinstance(f, TracedChunk)]
+    for f in fns:
+        print(
+            f"  ours: {len(f.checked)} chunk sizes replayed, {len(f.eager_sizes)} eager"
+            + (f" (all eager: {f.reason})" if f.reason else "")
+        )
+    for t in trainers:
+        t.close()
 
 
 def main() -> None:
@@ -153,19 +175,19 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     total = args.rounds * (args.steps + 3) + 10
     if args.model in ("both", "mlp"):
-        tr, make = mlp_job(args.hidden, args.batch, total)
+        (tr, make), (eager, _) = (mlp_job(args.hidden, args.batch, total) for _ in "ab")
         compare(
             f"mlp hidden {args.hidden}, batch {args.batch}",
-            tr,
-            contenders(tr, make, args.batch),
+            [tr, eager],
+            contenders(tr, eager, make, args.batch),
             args,
         )
     if args.model in ("both", "digits"):
-        tr, make = digits_job(args.digits_batch, total)
+        (tr, make), (eager, _) = (digits_job(args.digits_batch, total) for _ in "ab")
         compare(
             f"digits MLP, batch {args.digits_batch}",
-            tr,
-            contenders(tr, make, args.digits_batch),
+            [tr, eager],
+            contenders(tr, eager, make, args.digits_batch),
             args,
         )
 

@@ -13,11 +13,17 @@ measured on an MLP, chunks of 1, 3 and 7 differ from one of 256 by up to 3e-7 wh
 chunks of 64 agree), so no summation order can make every chunk size agree. The
 physical batch size is therefore part of what a job's result depends on (fingerprint
 it). With `physical_batch_size=None` the sum is today's single-vmap sum, bit for bit.
+
+A model without embedding tables is served, once two chunk sizes are seen, by the aten
+ops its chunks dispatch, replayed without torch.func's wrappers (`train.traced_grads`):
+the same ops on the same shapes, so the same bits, which every chunk size checks on its
+first use; whatever cannot be replayed (random ops, values read in Python) runs eagerly,
+with the reason logged. `trace_after=None` keeps the eager path on every chunk.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -27,10 +33,20 @@ from torch.func import functional_call, grad_and_value, vmap
 from cocoon_ckpt.embedding.config import TableSpec
 from cocoon_ckpt.embedding.sparse import SparseGrads, gather_rows, sparse_per_sample, sum_rows
 from cocoon_ckpt.errors import UnsupportedModelError
+from cocoon_ckpt.train.traced_grads import ChunkFn, TracedChunk
 
-__all__ = ["ClippedSum", "PerSampleGrads", "check_per_sample"]
+__all__ = [
+    "TRACE_AFTER",
+    "ClippedSum",
+    "PerSampleGrads",
+    "check_per_sample",
+    "clip_and_sum",
+]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+#: eager chunks (per model state and input shapes) before the chunk is recorded
+TRACE_AFTER = 0
 
 
 class ClippedSum(NamedTuple):
@@ -71,6 +87,8 @@ class PerSampleGrads:
         param_names: the dense trainable parameters, in the order of the flat sum.
         tables: embedding tables whose gradients are taken per row
             (`cocoon_ckpt.embedding.sparse`); they must not be in `param_names`.
+        trace_after: eager chunks (per key: modes, clip, layouts) before one is
+            recorded for replay; None never records (set it before the first chunk).
 
     Every other parameter (frozen, or a table) and every buffer is passed as a constant.
 
@@ -88,6 +106,7 @@ class PerSampleGrads:
         param_names: Sequence[str],
         *,
         tables: Sequence[TableSpec] = (),
+        trace_after: int | None = TRACE_AFTER,
     ) -> None:
         check_per_sample(model)
         params = dict(model.named_parameters())
@@ -123,7 +142,11 @@ class PerSampleGrads:
         self._frozen = {k: p for k, p in params.items() if k not in skip}
         self._tables = [params[k] for k in self.table_names]
         self._aliases = _tied_aliases(model)
+        self._submodules = list(model.modules())  # their training flags select a tape
         self._fns: dict[int, Callable[..., Any]] = {}
+        self.trace_after = trace_after
+        self._chunk_fns: dict[Hashable, ChunkFn | TracedChunk] = {}
+        self._eager_chunks: dict[Hashable, int] = {}
 
     def clipped_sum(
         self,
@@ -207,21 +230,61 @@ class PerSampleGrads:
     ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
         """One chunk: (clipped dense sum (dim,), per-sample losses, per table (ids, row
         gradients, clip scales)); its per-sample gradients are freed on return."""
+        if not self.tables:
+            partial, losses = self._dense_chunk(params, buffers, chunk, max_grad_norm)
+            return partial, losses, []
         m = int(chunk[0].shape[0])
         grads, row_grads, ids, losses = self.per_sample(params, buffers, chunk)
-        # Per parameter, never one (chunk, dim) copy: norms from per-parameter sums of
-        # squares, then one GEMV (scale @ grads) per parameter.
         per_param = [grads[k].reshape(m, -1) for k in self.param_names]
-        sq = [g.square().sum(dim=1) for g in per_param]
-        sq += [g.reshape(m, -1).square().sum(dim=1) for g in row_grads]
-        norms = torch.stack(sq).sum(dim=0).sqrt()
-        scale = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
-        if per_param:
-            partial = torch.cat([scale.to(g.dtype) @ g for g in per_param])
-        else:
-            partial = torch.zeros(0, dtype=self.dtype, device=scale.device)
+        scale, partial = clip_and_sum(per_param, row_grads, max_grad_norm, self.dtype)
         rows = [(i, g, scale) for i, g in zip(ids, row_grads, strict=True)]
         return partial, losses, rows
+
+    def _dense_chunk(
+        self,
+        params: dict[str, torch.Tensor],
+        buffers: dict[str, torch.Tensor],
+        chunk: list[torch.Tensor],
+        max_grad_norm: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chunk of a model without tables, eagerly or by the recorded graph
+        (`train.traced_grads`: the same ops, the same bits)."""
+        fixed = [*params.values(), *buffers.values()]
+        # what a tape depends on besides n: names, the clip, modes, layouts (a Python
+        # decomposition may branch on strides); 11 us a chunk on the digits MLP
+        key = (
+            tuple(buffers),
+            max_grad_norm,
+            torch.is_grad_enabled(),
+            tuple(m.training for m in self._submodules),
+            tuple((t.shape, t.stride(), t.dtype, t.device) for t in fixed),
+            tuple((t.shape[1:], t.stride()[1:], t.dtype, t.device) for t in chunk),
+        )
+        fn = self._chunk_fns.get(key)
+        if fn is None:
+            fn = self._chunk_fns[key] = self._flat_chunk(list(buffers), max_grad_norm)
+        if not isinstance(fn, TracedChunk) and self.trace_after is not None:
+            self._eager_chunks[key] = seen = self._eager_chunks.get(key, 0) + 1
+            # a subclass that overrides per_sample is called on every chunk, as before
+            if seen > self.trace_after and type(self).per_sample is PerSampleGrads.per_sample:
+                fn = self._chunk_fns[key] = TracedChunk(fn)
+        return fn(*fixed, *chunk)
+
+    def _flat_chunk(self, buffer_names: list[str], max_grad_norm: float) -> ChunkFn:
+        """The eager chunk function on flat inputs (parameters, buffers, chunk tensors):
+        `per_sample`, then `clip_and_sum`."""
+        names = self.param_names
+        n_params, n_fixed = len(names), len(names) + len(buffer_names)
+
+        def chunk_fn(*flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            params = dict(zip(names, flat[:n_params], strict=True))
+            buffers = dict(zip(buffer_names, flat[n_params:n_fixed], strict=True))
+            grads, _, _, losses = self.per_sample(params, buffers, list(flat[n_fixed:]))
+            m = int(flat[-1].shape[0])
+            per_param = [grads[k].reshape(m, -1) for k in names]
+            return clip_and_sum(per_param, [], max_grad_norm, self.dtype)[1], losses
+
+        return chunk_fn
 
     def per_sample(
         self,
@@ -279,6 +342,33 @@ class PerSampleGrads:
             in_dims=(None, None, *([0] * n_data)),
             randomness="different",
         )
+
+
+def clip_and_sum(
+    per_param: list[torch.Tensor],
+    row_grads: list[torch.Tensor],
+    max_grad_norm: float,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip scales (m,) of one chunk and its clipped dense sum (dim,).
+
+    Args:
+        per_param: per dense parameter, the chunk's gradients (m, numel).
+        row_grads: per table, the chunk's row gradients (m, dim).
+        max_grad_norm: C.
+        dtype: the sum's dtype when there are no dense parameters.
+    """
+    # Per parameter, never one (chunk, dim) copy: norms from per-parameter sums of
+    # squares, then one GEMV (scale @ grads) per parameter.
+    sq = [g.square().sum(dim=1) for g in per_param]
+    sq += [g.reshape(g.shape[0], -1).square().sum(dim=1) for g in row_grads]
+    norms = torch.stack(sq).sum(dim=0).sqrt()
+    scale = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+    if per_param:
+        partial = torch.cat([scale.to(g.dtype) @ g for g in per_param])
+    else:
+        partial = torch.zeros(0, dtype=dtype, device=scale.device)
+    return scale, partial
 
 
 def _tied_aliases(model: nn.Module) -> list[tuple[str, list[str]]]:
