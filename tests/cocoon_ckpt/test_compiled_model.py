@@ -20,6 +20,7 @@ from cocoon_ckpt._state_dict import COMPILED_PREFIX, plain_keys, uncompiled
 from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.examples import mlp
 from cocoon_ckpt.train import parts as parts_module
+from cocoon_ckpt.train import trainer as trainer_module
 from cocoon_ckpt.train.config import JobConfig
 from cocoon_ckpt.train.parts import JobParts
 from state import Store
@@ -80,8 +81,10 @@ def test_export_of_a_store_with_prefixed_names_loads_into_the_plain_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # a store written before JobParts unwrapped compiled models: the trainer saw the
-    # OptimizedModule, so the versions name every parameter `_orig_mod.<name>`
+    # OptimizedModule, so the versions name every parameter `_orig_mod.<name>` (both
+    # places that now unwrap are undone)
     monkeypatch.setattr(parts_module, "uncompiled", lambda model: model)
+    monkeypatch.setattr(trainer_module, "uncompiled", lambda model: model)
     cfg = job_config("mlp", bands=2, steps=4)
     url = str(tmp_path / "old.zarr")
     run_job(cfg, url, key_file=str(tmp_path / "k"), builder=_compiled)
