@@ -215,6 +215,9 @@ class RngRecord(TypedDict):
 
     numpy: NumpyRngRecord
     python: PythonRngRecord
+    cuda: NotRequired[int]
+    """How many CUDA generators' states are stored (arrays `rng/cuda/<i>`), when the
+    job had initialised CUDA; absent: none."""
 
 
 class TablePlanRecord(TypedDict):

@@ -39,7 +39,7 @@ from cocoon_ckpt.train.part_state import decode_part_state, encode_part_state
 from cocoon_ckpt.train.ring_rows import borrowable, encode_slots, load_ring
 from cocoon_ckpt.train.stored import model_state, records_of
 from cocoon_ckpt.train.table_codec import decode_tables, encode_tables
-from cocoon_ckpt.train.trainer_state import TRAINER_SCHEMA, PartState, TrainerState
+from cocoon_ckpt.train.trainer_state import TRAINER_SCHEMA, PartState, RngState, TrainerState
 from state import ArrayMeta, Manifest, Version
 
 __all__ = [
@@ -147,6 +147,10 @@ def encode(state: TrainerState, parent: Manifest | None, *, shard_only: bool = F
         },
         "python": [py_version, list(py_internal), py_gauss],
     }
+    for i, cuda_state in enumerate(rng.get("cuda", [])):
+        snap.arrays[f"rng/cuda/{i}"] = _to_numpy(cuda_state)
+    if "cuda" in rng:
+        rng_record["cuda"] = len(rng["cuda"])
     ring_slots = len(noise["slot_steps"])
     noise_record: NoiseRecord = {
         "t": noise["t"],
@@ -230,7 +234,6 @@ def decode(version: Version, like: TrainerState) -> TrainerState:
     rec = records_of(version)
     nrec = rec["noise"]
     embedding, tables = decode_tables(version, like)
-    npr, py = rec["rng"]["numpy"], rec["rng"]["python"]
     return {
         "kind": "DPTrainer",
         "schema_version": TRAINER_SCHEMA,
@@ -244,17 +247,7 @@ def decode(version: Version, like: TrainerState) -> TrainerState:
         "accountant": dict(rec["accountant"]),
         "mechanism": dict(rec["mechanism"]),
         "generator": dict(rec["generator"]),
-        "rng": {
-            "torch": torch.from_numpy(version.array("rng/torch").copy()),
-            "numpy": (
-                npr["kind"],
-                version.array("rng/numpy").copy(),
-                npr["pos"],
-                npr["has_gauss"],
-                npr["cached_gaussian"],
-            ),
-            "python": (py[0], tuple(py[1]), py[2]),
-        },
+        "rng": _decode_rng(version, rec["rng"]),
         "embedding": embedding,
         "embedding_tables": tables,
         "identity": rec.get("identity"),
@@ -275,3 +268,23 @@ def _decode_part(rec: PartStateRecord | None, version: Version) -> PartState | N
     except ValueError as exc:
         raise TypeError(f"{rec['kind']} state: {exc}") from None
     return {"kind": rec["kind"], "state": state}
+
+
+def _decode_rng(version: Version, rec: RngRecord) -> RngState:
+    """The global generators' states a version stores (CUDA's when it has them)."""
+    npr, py = rec["numpy"], rec["python"]
+    state: RngState = {
+        "torch": torch.from_numpy(version.array("rng/torch").copy()),
+        "numpy": (
+            npr["kind"],
+            version.array("rng/numpy").copy(),
+            npr["pos"],
+            npr["has_gauss"],
+            npr["cached_gaussian"],
+        ),
+        "python": (py[0], tuple(py[1]), py[2]),
+    }
+    n = int(rec.get("cuda", 0))
+    if n:
+        state["cuda"] = [torch.from_numpy(version.array(f"rng/cuda/{i}").copy()) for i in range(n)]
+    return state

@@ -10,7 +10,7 @@ and back; nothing else builds it.
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Any, TypedDict, cast
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, cast
 
 import numpy as np
 import torch
@@ -82,6 +82,9 @@ class RngState(TypedDict):
     """`np.random.get_state()` (legacy tuple form)."""
     python: tuple[Any, ...]
     """`random.getstate()`."""
+    cuda: NotRequired[list[torch.Tensor]]
+    """`torch.cuda.get_rng_state_all()`, when the process has initialised CUDA (dropout
+    on a GPU draws from these)."""
 
 
 class TableArrays(TypedDict):
@@ -210,11 +213,14 @@ def noise_layout(
 
 def rng_state() -> RngState:
     """The global generators' states now."""
-    return {
+    state: RngState = {
         "torch": torch.get_rng_state(),
         "numpy": tuple(np.random.get_state()),
         "python": random.getstate(),
     }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    return state
 
 
 def load_rng_state(state: RngState) -> None:
@@ -222,6 +228,11 @@ def load_rng_state(state: RngState) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
+    cuda = state.get("cuda")
+    # without CUDA here the job resumed on another device type (allowed by its caller):
+    # its gradients differ in the last bits anyway, and no GPU draws from these
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def table_arrays(emb: EmbeddingNoise) -> list[TableArrays]:
