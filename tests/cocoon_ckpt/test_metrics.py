@@ -52,6 +52,11 @@ def test_every_steps_loss_is_stored_as_the_step_returned_it(
     want = [(r.step, r.loss) for r in results if math.isfinite(r.loss)]
     assert list(zip(loss.steps, loss.values, strict=True)) == want
     assert loss.steps == list(range(24))  # no empty batch in this job: every step
+    for name in ("grad_norm", "noise_norm"):  # signal and noise, as each step returned them
+        got = _curve(str(url))[name]
+        assert got.steps == list(range(24))
+        assert got.values == [getattr(r, name) for r in results]
+        assert all(v > 0 for v in got.values)
     # retention kept 3 of the 5 versions; the newest still holds the curve from step 0
     store = Store.open(str(url), create=False)
     assert len(store.versions()) == 3
@@ -94,7 +99,8 @@ def test_the_loops_scalars_round_trip_through_a_resume(tmp_path: Path) -> None:
             if res.step % 3 == 2:
                 job.log(res.step, accuracy=res.step / 100, top5=1)
     curve = _curve(url)
-    assert set(curve) == {"accuracy", "loss", "lr", "top5"}
+    # each step's loss and its signal/noise norms come with every step (StepResult)
+    assert set(curve) == {"accuracy", "grad_norm", "loss", "lr", "noise_norm", "top5"}
     assert curve["lr"].steps == list(range(24))
     assert curve["lr"].values == [0.1 * t for t in range(24)]  # floats exactly
     assert curve["accuracy"].steps == list(range(2, 24, 3))
@@ -161,7 +167,8 @@ def test_a_tampered_metrics_record_is_found_by_the_audit(
     shutil.copytree(gold[0], store, symlinks=True)
     clean = audit_store(str(store), coordinates=8, seed=0, key_file=key)
     assert clean.ok, clean.text()
-    assert clean.checks["metrics"] == {"versions": 3, "points": 24}
+    # 24 steps x (loss, grad_norm, noise_norm)
+    assert clean.checks["metrics"] == {"versions": 3, "points": 72}
     # a loss changed in the bytes: the record's sha256 no longer holds
     p = _latest_manifest(store)
     text = p.read_text()
