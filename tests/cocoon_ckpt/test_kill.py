@@ -29,10 +29,13 @@ def _cmd(
     bands: int,
     opts: dict[str, Any] | None = None,
     embedding: str | None = None,
+    mechanism: str | None = None,
 ) -> list[str]:
     extra = ["--storage-options", json.dumps(opts)] if opts else []
     if embedding is not None:
         extra += ["--embedding", embedding, "--threat-model", "final_model"]
+    if mechanism is not None:
+        extra += ["--mechanism", mechanism]
     return [
         *(sys.executable, "-m", "cocoon_ckpt", "train", "--example", example),
         *("--store", str(store), "--key-file", str(key), "--steps", "30"),
@@ -60,11 +63,18 @@ class Gold:
         self.root, self.key = root, root / "noise.key"
         self._models: dict[str, dict[str, torch.Tensor]] = {}
 
-    def model(self, example: str, bands: int, embedding: str | None = None) -> dict[str, Any]:
-        name = f"{example}-{bands}-{embedding}"
+    def model(
+        self,
+        example: str,
+        bands: int,
+        embedding: str | None = None,
+        mechanism: str | None = None,
+    ) -> dict[str, Any]:
+        name = f"{example}-{bands}-{embedding}-{mechanism}"
         if name not in self._models:
             store = self.root / f"{name}.zarr"
-            assert main(_cmd(store, self.key, example, bands, embedding=embedding)[3:]) == 0
+            cmd = _cmd(store, self.key, example, bands, embedding=embedding, mechanism=mechanism)
+            assert main(cmd[3:]) == 0
             self._models[name] = _export(store, self.root / f"{name}.pt")
         return self._models[name]
 
@@ -80,14 +90,16 @@ def _manifests(store: Path) -> set[Path]:
 
 
 @pytest.mark.parametrize(
-    ("example", "bands", "embedding"),
+    ("example", "bands", "embedding", "mechanism"),
     [
-        ("mlp", 1, None),
-        ("mlp", 8, None),
+        ("mlp", 1, None, None),
+        ("mlp", 8, None, None),
+        # the BLT's d buffers (every version stores them all) and its stored parameters
+        ("mlp", 4, None, "blt"),
         # the precomputed CSC, the hot rows' rings and the cursor resume together
-        ("dlrm", 8, "coalesced"),
+        ("dlrm", 8, "coalesced", None),
         # lazy b=1 noise is keyed by (row, gap): a resume redraws the same values
-        ("dlrm", 1, "lazy"),
+        ("dlrm", 1, "lazy", None),
     ],
 )
 def test_sigkill_anywhere_then_resume_matches_uninterrupted(
@@ -96,14 +108,15 @@ def test_sigkill_anywhere_then_resume_matches_uninterrupted(
     example: str,
     bands: int,
     embedding: str | None,
+    mechanism: str | None,
 ) -> None:
     key = gold.key
 
     def cmd(store: Path) -> list[str]:
-        return _cmd(store, key, example, bands, embedding=embedding)
+        return _cmd(store, key, example, bands, embedding=embedding, mechanism=mechanism)
 
     store = tmp_path / "run.zarr"
-    rng = random.Random(f"{example}-{bands}-{embedding}")
+    rng = random.Random(f"{example}-{bands}-{embedding}-{mechanism}")
     env = dict(os.environ)
     kills: list[str] = []
     # First a kill inside a checkpoint write (arrays durable, manifest not yet written).
@@ -136,7 +149,7 @@ def test_sigkill_anywhere_then_resume_matches_uninterrupted(
     else:
         pytest.fail("the job never finished")
     got = _export(store, tmp_path / "got.pt")
-    want = gold.model(example, bands, embedding)
+    want = gold.model(example, bands, embedding, mechanism)
     assert all(torch.equal(want[k], got[k]) for k in want), f"after kills at {kills}"
     versions = Store.open(str(store), create=False)
     for v in versions.versions():
