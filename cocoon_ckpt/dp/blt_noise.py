@@ -17,7 +17,7 @@ import torch
 from cocoon_ckpt._state_dict import check_state
 from cocoon_ckpt.dp.blt import BLT, blt_step
 from cocoon_ckpt.dp.noise import AFTER_FRESH, AFTER_GEMV, BEFORE_FRESH, KeyedNoise, NoiseRng
-from cocoon_ckpt.dp.ring import HostRing, RingHistory
+from cocoon_ckpt.dp.ring import RingHistory, load_ring_into, shard_ring
 from state import hooks
 
 __all__ = ["BLTNoise"]
@@ -69,16 +69,13 @@ class BLTNoise:
             raise ValueError(f"shard [{start}, {stop}) is outside [0, {dim})")
         self.dtype = self.fresh_noise.dtype
         self.t = 0
-        np_dtype = self.fresh_noise.np_dtype.name
-        want = (blt.buffers, self.stop - self.start, np_dtype)
-        if buffers is None:
-            buffers = HostRing(*want)
-        elif (buffers.slots, buffers.width, buffers.dtype.name) != want:
-            raise ValueError(
-                f"buffers are ({buffers.slots}, {buffers.width}) {buffers.dtype}, the BLT "
-                f"shard needs ({want[0]}, {want[1]}) {want[2]}"
-            )
-        self.buffers: RingHistory = buffers
+        self.buffers: RingHistory = shard_ring(
+            buffers,
+            blt.buffers,
+            self.stop - self.start,
+            self.fresh_noise.np_dtype.name,
+            "BLT buffers are",
+        )
         self._mix = blt.mixing_vector
 
     @property
@@ -153,15 +150,10 @@ class BLTNoise:
                 f"BLT buffers shard [{state['start']}, {state['stop']}) does not match this "
                 f"instance's [{self.start}, {self.stop}); build it for that shard"
             )
-        ring = state["ring"]
-        if not isinstance(ring, RingHistory):
-            raise TypeError(f"BLT buffers are a {type(ring).__name__}; expected a RingHistory")
-        want = (self.buffers.slots, self.buffers.width, self.buffers.dtype)
-        if (ring.slots, ring.width, ring.dtype) != want:
-            raise ValueError(
-                f"BLT buffers are {ring.dtype}({ring.slots}, {ring.width}), expected "
-                f"{want[2]}({want[0]}, {want[1]}); build the noise with the stored BLT and dtype"
-            )
-        if ring is not self.buffers:
-            self.buffers.scatter(ring.gather())
+        load_ring_into(
+            self.buffers,
+            state["ring"],
+            "BLT buffers are",
+            "; build the noise with the stored BLT and dtype",
+        )
         self.t = int(state["t"])

@@ -34,7 +34,7 @@ from cocoon_ckpt.dp.generator import (
     generator_backend,
 )
 from cocoon_ckpt.dp.mechanism import BandMF
-from cocoon_ckpt.dp.ring import HostRing, RingHistory
+from cocoon_ckpt.dp.ring import RingHistory, load_ring_into, shard_ring
 from cocoon_ckpt.dp.secure_noise import require_backend, secure_gaussians
 from state import hooks
 
@@ -244,21 +244,14 @@ class CorrelatedNoise:
             raise ValueError(f"shard [{start}, {stop}) is outside [0, {dim})")
         self.dtype = self.fresh_noise.dtype
         self.t = 0
-        slots = mechanism.bands - 1
-        np_dtype = self.fresh_noise.np_dtype.name
-        if history is None:
-            history = HostRing(slots, self.stop - self.start, np_dtype)
-        elif (history.slots, history.width, history.dtype.name) != (
-            slots,
+        self.history: RingHistory = shard_ring(
+            history,
+            mechanism.bands - 1,
             self.stop - self.start,
-            np_dtype,
-        ):
-            raise ValueError(
-                f"history is ({history.slots}, {history.width}) {history.dtype}, the shard "
-                f"needs ({slots}, {self.stop - self.start}) {np_dtype}"
-            )
-        self.history: RingHistory = history
-        self.slot_steps: list[int | None] = [None] * slots
+            self.fresh_noise.np_dtype.name,
+            "history is",
+        )
+        self.slot_steps: list[int | None] = [None] * self.history.slots
 
     @property
     def width(self) -> int:
@@ -327,16 +320,6 @@ class CorrelatedNoise:
                 f"ring shard [{state['start']}, {state['stop']}) does not match this "
                 f"instance's [{self.start}, {self.stop})"
             )
-        ring = state["ring"]
-        if not isinstance(ring, RingHistory):
-            raise TypeError(f"ring is a {type(ring).__name__}; expected a RingHistory")
-        want = (self.history.slots, self.history.width, self.history.dtype)
-        if (ring.slots, ring.width, ring.dtype) != want:
-            raise ValueError(
-                f"ring is {ring.dtype}({ring.slots}, {ring.width}), expected "
-                f"{want[2]}({want[0]}, {want[1]})"
-            )
-        if ring is not self.history:
-            self.history.scatter(ring.gather())
+        load_ring_into(self.history, state["ring"], "ring is")
         self.slot_steps = list(state["slot_steps"])
         self.t = int(state["t"])

@@ -15,7 +15,7 @@ import numpy as np
 
 from cocoon_ckpt.dp.gemv import mix_history
 
-__all__ = ["HostRing", "RingHistory"]
+__all__ = ["HostRing", "RingHistory", "load_ring_into", "shard_ring"]
 
 
 @runtime_checkable
@@ -151,3 +151,42 @@ class HostRing:
 
     def close(self) -> None:
         self._ring = None
+
+
+def shard_ring(
+    given: RingHistory | None, slots: int, width: int, np_dtype: str, what: str
+) -> RingHistory:
+    """The ring a noise shard keeps: `given`, checked to be (slots, width) of `np_dtype`,
+    or a `HostRing` of that shape (the BandMF ring and the BLT buffers alike).
+
+    Raises:
+        ValueError: `given` has another shape or dtype (`what` names it).
+    """
+    if given is None:
+        return HostRing(slots, width, np_dtype)
+    if (given.slots, given.width, given.dtype.name) != (slots, width, np_dtype):
+        raise ValueError(
+            f"{what} ({given.slots}, {given.width}) {given.dtype}, the shard needs "
+            f"({slots}, {width}) {np_dtype}"
+        )
+    return given
+
+
+def load_ring_into(into: RingHistory, ring: Any, what: str, fix: str = "") -> None:
+    """Copy a stored or live `ring` into `into` (a no-op when they are one object).
+
+    Raises:
+        TypeError: `ring` is not a `RingHistory`.
+        ValueError: its shape or dtype is not `into`'s (`what` names it; `fix` says what
+            to do).
+    """
+    if not isinstance(ring, RingHistory):
+        raise TypeError(f"{what} a {type(ring).__name__}; expected a RingHistory")
+    want = (into.slots, into.width, into.dtype)
+    if (ring.slots, ring.width, ring.dtype) != want:
+        raise ValueError(
+            f"{what} {ring.dtype}({ring.slots}, {ring.width}), expected "
+            f"{want[2]}({want[0]}, {want[1]}){fix}"
+        )
+    if ring is not into:
+        into.scatter(ring.gather())
