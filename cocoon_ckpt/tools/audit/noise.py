@@ -104,15 +104,13 @@ def check_noise(
         rng=str(dp.get("noise_rng", "default")),
     )
     std = float(dp["noise_multiplier"]) * float(dp["max_grad_norm"])
-    # float32: the engine and this recomputation may sum the b-1 terms in another order
-    tol = (1e-5 if noise["dtype"] == "float32" else 1e-12) * std
+    tol = _tolerance(noise["dtype"], std)
     worst = 0.0
     identical = 0
     for path, (v, step, inside, got, _slot) in sorted(stored.items()):
-        exp = want[step][inside]
-        dev = float(np.max(np.abs(got.astype(np.float64) - exp.astype(np.float64)), initial=0.0))
+        dev, same = _deviation(got, want[step][inside])
         worst = max(worst, dev)
-        identical += int(np.array_equal(got, exp))
+        identical += same
         if dev > tol:
             report.add(
                 "noise",
@@ -191,14 +189,12 @@ def _check_blt(
         {step for _, step, _, _, _ in stored.values()},
         rng=str(dp.get("noise_rng", "default")),
     )
-    # the engine's step on any subset of coordinates is the same arithmetic
-    tol = (1e-5 if dtype == "float32" else 1e-12) * std
+    tol = _tolerance(dtype, std)
     worst, identical = 0.0, 0
     for path, (v, step, inside, got, slot) in sorted(stored.items()):
-        exp = want[step][slot][inside]
-        dev = float(np.max(np.abs(got.astype(np.float64) - exp.astype(np.float64)), initial=0.0))
+        dev, same = _deviation(got, want[step][slot][inside])
         worst = max(worst, dev)
-        identical += int(np.array_equal(got, exp))
+        identical += same
         if dev > tol:
             report.add(
                 "noise",
@@ -215,3 +211,16 @@ def _check_blt(
         "bit_identical": identical,
         "max_deviation": worst,
     }
+
+
+def _tolerance(dtype: str, std: float) -> float:
+    """How far a stored value may sit from its regeneration: float32 sums of the b-1
+    terms may round in another order than the engine's; float64 agrees to 1e-12."""
+    return (1e-5 if dtype == "float32" else 1e-12) * std
+
+
+def _deviation(got: np.ndarray, want: np.ndarray) -> tuple[float, int]:
+    """The largest absolute difference of stored from regenerated values, and 1 when
+    they are identical bit for bit (0 otherwise)."""
+    dev = float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64)), initial=0.0))
+    return dev, int(np.array_equal(got, want))
