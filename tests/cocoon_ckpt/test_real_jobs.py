@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
 from cocoon_ckpt import DPConfig, JobConfig, run_job
 from cocoon_ckpt.dp.generator import NoiseRng, generator_backend
@@ -33,21 +32,9 @@ from cocoon_ckpt.train.trainer import DPTrainer
 from state import Store
 
 from .conftest import job_config
+from .real_job import Pairs
 
 KEY = bytes(range(32))
-
-
-class Pairs(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """A plain map-style Dataset over (x, y) tensors (not a TensorDataset)."""
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.x, self.y = x, y
-
-    def __len__(self) -> int:
-        return int(self.x.shape[0])
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[i], self.y[i]
 
 
 class EMA:
