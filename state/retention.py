@@ -9,10 +9,12 @@ ring slots a newer version still references keeps those slots and loses its mode
 optimizer copies. Folders above the newest manifest may be a write in flight and are
 never touched.
 
-Every manifest is verified before anything is deleted. One that fails (damaged, or of a
-format this library does not read) stops retention (`OnDamage.STOP`): its arrays may be
-all that is left to repair it from, and they would look unreferenced. `OnDamage.DISCARD`
-deletes such versions instead, only on explicit request.
+Every manifest is verified before anything is deleted: read every time, verified the
+first time its bytes are seen (`state.manifest_cache`), so a commit verifies only its
+own. One that fails (damaged, or of a format this library does not read) stops
+retention (`OnDamage.STOP`): its arrays may be all that is left to repair it from, and
+they would look unreferenced. `OnDamage.DISCARD` deletes such versions instead, only on
+explicit request.
 """
 
 from __future__ import annotations
@@ -167,6 +169,7 @@ def retain(
         if v not in keep:
             hooks.point(BEFORE_DELETE, version=v, path=manifest_path(v), what="manifest")
             backend.rm(manifest_path(v))
+            store.manifest_cache.forget(v)
             deleted.append(manifest_path(v))
     # Only now, with every manifest not kept gone, are arrays deleted: an interrupted
     # run leaves unreferenced arrays (the next run deletes them), never a listed
@@ -196,15 +199,18 @@ def verified_manifests(store: Store, have: list[int], on_damage: OnDamage) -> di
     """Every manifest of `have` that parses and verifies; a failing one stops retention
     (or, with `OnDamage.DISCARD`, is left out so that it is deleted). Callers that must
     refuse before writing anything (gc takes the lease first) check with it up front.
+    Each is read now; one whose bytes were verified before is not verified again.
 
     Raises:
         CorruptVersionError, FormatVersionError: with `OnDamage.STOP`, a manifest fails
             to verify; the message says nothing was deleted and how to go on.
     """
+    cache = store.manifest_cache
+    cache.keep_only(have)
     manifests: dict[int, Manifest] = {}
     for v in have:
         try:
-            manifests[v] = store.manifest(v)
+            manifests[v] = cache.manifest(store, v)
         except (CorruptVersionError, FormatVersionError) as exc:
             if on_damage is OnDamage.DISCARD:
                 log.warning("retention discards version %d: %s", v, exc)

@@ -25,6 +25,7 @@ from .errors import (
 )
 from .lease import DEFAULT_LEASE_EXPIRY_S, Lease, acquire_lease, current_holder
 from .manifest import ArrayMeta, Manifest
+from .manifest_cache import ManifestCache
 from .paths import (
     MANIFESTS,
     SECRET,
@@ -59,6 +60,8 @@ class Store:
         self.retry = backend.retry if retry is None else retry
         self.lease: Lease | None = None
         self.attributes: dict[str, Any] = {}
+        #: Manifests retention has verified, trusted while their bytes are unchanged.
+        self.manifest_cache = ManifestCache()
 
     # opening ---------------------------------------------------------------------
     @classmethod
