@@ -4,8 +4,10 @@ Arrays are written by zarr's metadata code and a direct chunk path: each chunk i
 C-order bytes (little endian) followed by their crc32c, which is exactly what zarr's
 `bytes` + `crc32c` codec pipeline produces, so any zarr v3 client reads them. The
 direct path exists for speed: it fills each chunk in one copy and computes the chunk
-crc and the whole-array checksum in the same pass over cache-sized pieces, where
-zarr's pipeline copies each chunk several times. Arrays whose metadata is anything
+crc and the whole-array checksum in the same pass over cache-sized pieces (the first
+chunk's crc is the array's so far, so one crc serves both), where zarr's pipeline
+copies each chunk several times. Files go through `Backend.write_staged`: local disk
+starts each file's fsync as soon as it is written. Arrays whose metadata is anything
 else are read through zarr itself.
 """
 
@@ -145,7 +147,7 @@ def ensure_groups(backend: Backend, group: str, name: str, done: set[str]) -> No
     for depth in range(len(parts) + 1):
         rel = "/".join([group, *parts[:depth]])
         if rel not in done:
-            _write_file(backend, f"{rel}/zarr.json", [_GROUP], exclusive=False)
+            backend.write_staged(f"{rel}/zarr.json", [_GROUP], exclusive=False)
             done.add(rel)
 
 
@@ -196,7 +198,7 @@ def write_array(
             )
     chunks = _chunks(arr.shape, arr.dtype.itemsize)
     meta = array_metadata(arr.shape, arr.dtype, chunks, names)
-    _write_file(backend, f"{group}/{name}/zarr.json", [json.dumps(meta).encode()], exclusive=True)
+    backend.write_staged(f"{group}/{name}/zarr.json", [json.dumps(meta).encode()], exclusive=True)
     n_chunks, rows = _layout(arr.shape, chunks)
     array_crc = 0
     if n_chunks == 0:
@@ -206,36 +208,16 @@ def write_array(
     for i in range(n_chunks):
         lo, hi = i * rows, min((i + 1) * rows, flat.shape[0])
         payload = flat[lo:hi].data.cast("B")
-        chunk_crc, array_crc = _crc_pair(payload, array_crc)
+        if i == 0:  # the array's crc so far is the first chunk's: one pass, not two
+            chunk_crc = array_crc = crc32c.crc32c(payload)
+        else:
+            chunk_crc, array_crc = _crc_pair(payload, array_crc)
         pad = (rows - (hi - lo)) * row_bytes if arr.ndim else 0
         if pad:  # zarr stores edge chunks at full chunk shape, padded with the fill value
             chunk_crc = crc32c.crc32c(bytes(pad), chunk_crc)
-        parts = [payload, bytes(pad), chunk_crc.to_bytes(4, "little")]
-        _write_file(backend, f"{group}/{name}/{_chunk_key(i, arr.ndim)}", parts, exclusive=True)
+        parts: list[bytes | memoryview] = [payload, bytes(pad), chunk_crc.to_bytes(4, "little")]
+        backend.write_staged(f"{group}/{name}/{_chunk_key(i, arr.ndim)}", parts, exclusive=True)
     return f"crc32c:{array_crc:08x}", chunks
-
-
-def _write_file(backend: Backend, rel: str, parts: list[Any], *, exclusive: bool) -> None:
-    """Write a file of a version in progress; durability comes from the commit's fsync.
-    On local disk it is 0600 in 0700 folders whatever the umask (chunks hold the noise
-    history and the model)."""
-    path = backend.path(rel)
-    if backend.local:
-        backend.makedirs(os.path.dirname(rel))
-        flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
-        fd = os.open(path, flags, 0o600)
-        try:
-            os.fchmod(fd, 0o600)  # open's mode is masked by the umask; fchmod's is not
-            for part in parts:
-                view = memoryview(part)
-                while view:
-                    view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
-    else:
-        data = b"".join(bytes(p) for p in parts)
-        # one object, written whole: rewriting it on a transient error is idempotent
-        backend.retry.call(lambda: backend.fs.pipe_file(path, data))
 
 
 def read_array(
@@ -288,7 +270,10 @@ def read_array(
         target = flat[lo:hi].data.cast("B")
         stored_len = rows * row_bytes if shape else dtype.itemsize
         data = _read_chunk(backend, f"{group}/{name}/{key}", target, stored_len)
-        chunk_crc, array_crc = _crc_pair(target, array_crc)
+        if i == 0:  # as on write: one pass for the first chunk
+            chunk_crc = array_crc = crc32c.crc32c(target)
+        else:
+            chunk_crc, array_crc = _crc_pair(target, array_crc)
         if data[0]:
             chunk_crc = crc32c.crc32c(data[0], chunk_crc)
         if chunk_crc != int.from_bytes(data[1], "little"):

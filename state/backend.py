@@ -15,7 +15,7 @@ one from the URL's filesystem, as `pathlib.Path` picks its flavour.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -201,6 +201,21 @@ class Backend(abc.ABC):
     def makedirs(self, rel: str, *, private: bool = True) -> None:
         """Create folder `rel` and its missing parents (owner-only where modes apply;
         `private` is kept for callers and changes nothing: there is no shared mode)."""
+
+    @abc.abstractmethod
+    def write_staged(
+        self, rel: str, parts: Sequence[bytes | memoryview], *, exclusive: bool
+    ) -> None:
+        """Write a file of a version in progress: `parts`' bytes one after another.
+
+        Durable only once `fsync_tree` of a folder above it returns (the commit calls
+        it before the manifest); until then a crash may lose it, which is harmless
+        because no manifest references it yet. Folders are created as needed.
+
+        Args:
+            exclusive: fail with FileExistsError if `rel` exists (a chunk); otherwise
+                replace it (group metadata, identical whoever writes it).
+        """
 
     @abc.abstractmethod
     def write_once(self, rel: str, data: bytes, *, private: bool = False) -> None:

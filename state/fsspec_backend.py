@@ -7,7 +7,7 @@ modes: access is the bucket's or service's policy.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import zarr.storage
 from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
@@ -41,6 +41,15 @@ class FsspecBackend(Backend):
     def makedirs(self, rel: str, *, private: bool = True) -> None:
         path = self.path(rel)
         self.retry.call(lambda: self.fs.makedirs(path, exist_ok=True))
+
+    def write_staged(
+        self, rel: str, parts: Sequence[bytes | memoryview], *, exclusive: bool
+    ) -> None:
+        """One PUT of the whole object, retried: rewriting a path no manifest references
+        yet is idempotent. `exclusive` is not enforced: a retry after a lost response
+        would refuse our own object."""
+        data = b"".join(parts)
+        self.retry.call(lambda: self.fs.pipe_file(self.path(rel), data))
 
     def write_once(self, rel: str, data: bytes, *, private: bool = False) -> None:
         """One PUT of the whole object (idempotent, so retried)."""
