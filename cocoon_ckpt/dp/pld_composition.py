@@ -24,7 +24,7 @@ from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_dist
 from scipy import fft, signal, special
 
-from cocoon_ckpt.dp._pld_kernels import epsilon_for_delta, prefix_to_truncate
+from cocoon_ckpt.dp._pld_kernels import epsilon_for_delta, int_power, prefix_to_truncate
 from cocoon_ckpt.dp.pld_gaussian import subsampled_gaussian
 
 __all__ = ["PLD_INTERVAL", "TAIL_MASS", "OneRound", "SelfComposer", "one_round", "pld_epsilon"]
@@ -81,8 +81,8 @@ class SelfComposer:
             if len(self.ffts) >= 4:  # a few sizes: neighbouring counts share them
                 self.ffts.pop(next(iter(self.ffts)))
             spectrum = self.ffts[fast_len] = fft.fft(probs, fast_len)
-        out = np.real(fft.ifft(spectrum**num_times))
-        out = np.array(np.roll(out, -lower)[:output_len])
+        out = np.real(fft.ifft(int_power(spectrum, num_times)))
+        out = _rolled_prefix(out, lower, output_len)
         inf_prob = TAIL_MASS - math.expm1(num_times * math.log1p(-pmf._infinity_mass))
         return pld_pmf.DensePLDPmf(
             pmf._discretization,
@@ -91,6 +91,17 @@ class SelfComposer:
             inf_prob,
             pmf._pessimistic_estimate,
         )
+
+
+def _rolled_prefix(values: np.ndarray, shift: int, length: int) -> np.ndarray:
+    """`np.array(np.roll(values, -shift)[:length])` (the same values: only copied),
+    copying `length` values instead of rolling all of them first."""
+    length = min(length, len(values))
+    start = shift % len(values)
+    head = values[start : start + length]
+    if len(head) == length:
+        return np.array(head)
+    return np.concatenate((head, values[: length - len(head)]))
 
 
 def _onto_identity(pmf: pld_pmf.DensePLDPmf) -> pld_pmf.DensePLDPmf:

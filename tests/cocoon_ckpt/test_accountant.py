@@ -166,6 +166,38 @@ def test_compiled_composition_equals_direct_composition(
         assert got == _direct(sigma, q, count, delta)
 
 
+def test_self_composition_is_dp_accountings_bit_for_bit() -> None:
+    # The cached self-composition (compiled spectrum power, prefix copied instead of
+    # rolled) gives the very pmf `DensePLDPmf.self_compose` gives, for every count the
+    # power takes through binary exponentiation and the counts on either side.
+    import numpy as np
+
+    from cocoon_ckpt.dp import _pld_kernels, pld_composition
+
+    assert _pld_kernels.agree()
+    one = pld_composition.one_round(1.0, 0.125, pld_composition.PLD_INTERVAL)
+    for composer in (one.remove, one.add):
+        assert composer is not None and composer.dense
+        for count in (1, 2, 3, 4, 7, 38, 99, 100):
+            got = composer.compose(count)
+            want = composer.pmf.self_compose(count, pld_composition.TAIL_MASS)
+            assert got._lower_loss == want._lower_loss
+            assert got._infinity_mass == want._infinity_mass
+            assert got._probs.tobytes() == np.asarray(want._probs).tobytes()
+
+
+def test_compiled_power_is_numpys() -> None:
+    import numpy as np
+
+    from cocoon_ckpt.dp import _pld_kernels
+
+    rng = np.random.default_rng(7)
+    z = rng.standard_normal(5000) + 1j * rng.standard_normal(5000)
+    z[:4] = [0.0, complex(-0.0, 0.0), complex(3.0, -0.0), 1e-200]
+    for n in range(1, 101):
+        assert _pld_kernels.int_power(z, n).tobytes() == (z**n).tobytes()
+
+
 # noise_multiplier_for's answers before the compiled composition (2026-12-03, bench/
 # accounting.py): the faster search must return the same sigma to 1e-4.
 _CALIBRATED_BEFORE = [
