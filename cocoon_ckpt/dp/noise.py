@@ -184,12 +184,14 @@ def bandmf_step(
             (a crash point).
 
     Returns:
-        w_t, (width,), a fresh tensor (not a view of the ring).
+        w_t, (width,), a fresh tensor (not a view of the ring), or `z` itself when
+        b = 1 and c_0 = 1.
     """
     slots = mechanism.bands - 1
     c0 = float(mechanism.coefficients[0])
     if not slots:
-        return z / c0
+        # x / 1.0 is x in IEEE arithmetic: b = 1 (c_0 = 1) skips a pass over dim
+        return z if c0 == 1.0 else z / c0
     h = history.gemv(mechanism.mixing_vector(t) if mix is None else mix)
     if after_gemv is not None:
         after_gemv(t)

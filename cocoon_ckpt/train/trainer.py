@@ -64,7 +64,9 @@ class DPTrainer:
     per-sample gradients with `torch.func.vmap(grad(...))` (in chunks of at most
     `config.physical_batch_size`), clip each to `max_grad_norm`, sum, add w_t (std
     sigma * clip; drawn on the host and copied to the model's device: `train.device`),
-    divide by the expected batch size, step the optimizer, then the LR scheduler.
+    divide by the expected batch size, step the optimizer, then the LR scheduler. After
+    a step the dense parameters' `.grad` hold its noisy gradient (views of one buffer
+    the next step overwrites: `train.noisy_grads`).
 
     Args:
         model: any nn.Module torch.func can take per-sample gradients of.
@@ -289,8 +291,9 @@ class DPTrainer:
         if self.embedding is not None:
             self.embedding.set_grads(self._table_grads)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
         if self.embedding is not None:
+            # a dense table's gradient is table-sized and fresh each step: free it now
+            self.optimizer.zero_grad(set_to_none=True)
             self.embedding.sgd_updates(t, self._table_grads)
             if t + 1 == self.config.steps:
                 self.embedding.finish()  # tails: the final model carries all its noise

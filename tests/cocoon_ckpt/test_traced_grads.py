@@ -285,3 +285,28 @@ def test_a_size_whose_ops_differ_runs_eagerly(caplog: pytest.LogCaptureFixture) 
             assert all(_same(u, v) for u, v in zip(got, want, strict=True))
     assert fn.replaying and fn.eager_sizes == {3} and fn.checked == {4, 5, 6}
     assert any("chunks of 3 run eagerly" in r.getMessage() for r in caplog.records)
+
+
+def test_the_recorders_argument_walk_is_pytrees() -> None:
+    """The recorder walks an op's arguments itself (faster); what it makes must be what
+    `tree_map` / `tree_flatten` make, for every shape of argument aten passes and for
+    containers it hands on to pytree."""
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    from cocoon_ckpt.train.tape import Recorder, _leaves
+
+    a, b, c = torch.zeros(2), torch.ones(3), torch.full((1,), 2.0)
+    rec = Recorder([a, b])
+    rec._ref(c)  # a constant
+    cases = [
+        (a, 1, [b, 2, None], (c, [a, (b,)]), torch.float32, torch.device("cpu")),
+        [[a, b], [], ()],
+        {"dim": [0, 1], "out": a, "dtype": torch.float64, "layout": torch.strided},
+        (True, 1.5, "mean", None, torch.contiguous_format),
+        ({"x": [a, (b, 3)]},),
+    ]
+    for args in cases:
+        assert rec._template(args) == tree_map(rec._ref, args)
+        want = [x for x in tree_flatten(args)[0] if isinstance(x, torch.Tensor)]
+        got = [x for x in _leaves(args) if isinstance(x, torch.Tensor)]
+        assert len(got) == len(want) and all(u is v for u, v in zip(got, want, strict=True))
