@@ -1,18 +1,24 @@
 """Precompute a table's coalesced noise, tile by tile over rows, before step 0.
 
 For a tile of cold rows the BandMF recursion runs over all steps with the same keyed
-fresh noise the online mechanism would draw (I1), the tile's (b-1) x width history
-staying in fast memory. What a row receives between two reads is summed, scaled by
--lr_s / B per step, into one entry applied just before the next read; what follows its
-last read is its tail (column n). Each coordinate's arithmetic is elementwise and in a
-fixed order, so the entries are bit-identical for any tiling and any order of tiles.
+fresh noise the online mechanism would draw (I1). What a row receives between two reads
+is summed, scaled by -lr_s / B per step, into one entry applied just before the next
+read; what follows its last read is its tail (column n). Each coordinate's arithmetic
+is elementwise and in a fixed order, so the entries are bit-identical for any tiling
+and any order of tiles.
 
-Tiles are independent, so several run at once, one thread each (numpy, torch and the
-compiled kernels release the GIL while they work on arrays), with the same bits. Each
-worker runs torch and numba on one thread: one tile at a time on their intra-op threads
-leaves the Python-side work serial and waits at their barriers, which stall when other
-processes share the cores. Measured on this 2-core machine under other load: 2.3x
-(median of 5 interleaved runs, 60,000 rows, b = 8; bench/dlrm.py --serial-precompute).
+The recursion is `dp.noise.bandmf_step`'s arithmetic, compiled into one pass per step
+chunk (`cocoon_ckpt.embedding._tile_kernel`, which says why and what it saved);
+tests/cocoon_ckpt/test_precompute_kernel.py keeps the per-step `bandmf_step` loop as
+the reference and compares every entry bit for bit. A tile draws the fresh noise of a
+chunk of steps (`STEP_CHUNK_BYTES`), then the kernel runs those steps; the fresh noise
+is now most of the precompute's time.
+
+Tiles are independent, so several run at once, one thread each (numpy's generators
+and the compiled kernel release the GIL while they work on arrays), with the same
+bits. Each worker draws its noise on one thread: one tile at a time on torch's
+intra-op threads leaves the Python-side work serial and waits at their barriers, which
+stall when other processes share the cores.
 """
 
 from __future__ import annotations
@@ -20,15 +26,15 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from cocoon_ckpt.dp.gemv import COMPILED_MIN_ELEMENTS
 from cocoon_ckpt.dp.generator import NoiseRng
 from cocoon_ckpt.dp.mechanism import BandMF
-from cocoon_ckpt.dp.noise import BLOCK, KeyedNoise, bandmf_step
-from cocoon_ckpt.dp.ring import HostRing
+from cocoon_ckpt.dp.noise import BLOCK, KeyedNoise
 from cocoon_ckpt.embedding.csc import CoalescedCSC
 from cocoon_ckpt.embedding.schedule import AccessSchedule
 
@@ -42,6 +48,10 @@ __all__ = [
 
 #: A precompute tile's history aims at this many bytes (fits a large L2 / L3 slice).
 TILE_HISTORY_BYTES = 8 << 20
+
+#: A step chunk's fresh noise (its steps x the tile's width) aims at this many bytes:
+#: the tile kernel then reads the ring from memory once per chunk, not once per step.
+STEP_CHUNK_BYTES = 16 << 20
 
 
 def table_key(key: bytes, param: str) -> bytes:
@@ -83,16 +93,12 @@ def _tiles(first: int, rows: int, tile_rows: int) -> list[np.ndarray]:
     ]
 
 
-def _single_threaded(numba: bool) -> None:
-    # A tile worker computes with one thread, so two tiles use two cores and not four
-    # threads: torch's and numba's thread counts belong to the calling thread (OpenMP),
-    # so the caller's own are untouched. The keyed fresh noise then draws its blocks in
-    # this thread too (it asks torch how many threads it has).
+def _single_threaded() -> None:
+    # A tile worker draws its fresh noise with one thread, so two tiles use two cores
+    # and not four threads: torch's thread count belongs to the calling thread (OpenMP),
+    # so the caller's own is untouched, and the keyed fresh noise asks torch how many
+    # threads it has. The tile kernel itself is serial.
     torch.set_num_threads(1)
-    if numba:
-        import numba as nb
-
-        nb.set_num_threads(1)
 
 
 def default_threads() -> int:
@@ -158,12 +164,10 @@ def precompute_csc(
         if tile.min() < hot:
             raise ValueError(f"a tile holds hot slot {int(tile.min())} (< hot={hot})")
     np_dtype = noise.np_dtype
-    slots_ = mechanism.bands - 1
-    # every tile runs the same n steps: their mixing vectors are built once
-    mixes = [mechanism.mixing_vector(t).astype(np_dtype) for t in range(n)] if slots_ else []
+    consts = _constants(mechanism, n, factors, np_dtype)
 
     def run(tile: np.ndarray) -> _Entries:
-        return _tile_entries(tile, schedule, order, dim, mechanism, noise, factors, mixes)
+        return _tile_entries(tile, schedule, order, dim, noise, consts)
 
     parts: list[_Entries] = []
     if workers == 1 or len(todo) < 2:
@@ -172,13 +176,10 @@ def precompute_csc(
             if progress is not None:
                 progress(tile.size)
     else:
-        # the compiled GEMV runs once a tile's ring reaches its threshold
-        numba = any(t.size * dim * slots_ >= COMPILED_MIN_ELEMENTS for t in todo)
         with ThreadPoolExecutor(
             min(workers, len(todo)),
             thread_name_prefix="cocoon-pre",
             initializer=_single_threaded,
-            initargs=(numba,),
         ) as pool:
             # map yields in tile order and re-raises a worker's error here
             for tile, part in zip(todo, pool.map(run, todo), strict=True):
@@ -191,14 +192,41 @@ def precompute_csc(
         )
     return CoalescedCSC.from_entries(
         n,
-        np.concatenate([c for p in parts for c in p[0]]),
-        np.concatenate([r for p in parts for r in p[1]]),
-        np.concatenate([v for p in parts for v in p[2]]),
+        np.concatenate([p[0] for p in parts]),
+        np.concatenate([p[1] for p in parts]),
+        np.concatenate([p[2] for p in parts]),
     )
 
 
-#: One tile's entries: (columns, rows, values) chunks, concatenated by the caller.
-_Entries = tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]
+@dataclass(frozen=True, slots=True)
+class _Constants:
+    """What every tile's recursion shares, in the forms the kernel takes."""
+
+    mixes: np.ndarray
+    """(n, b-1) mixing vectors, cast to the noise dtype as `HostRing.gemv` casts them."""
+    c0: np.floating[Any]
+    """c_0 in the noise dtype (torch divides a tensor by a Python float in its dtype)."""
+    scales: np.ndarray
+    """(n,) s_t in the noise dtype (1.0 but for a column-normalized C's tail)."""
+    factors: np.ndarray
+    """(n,) float64 lr_t / B."""
+
+
+def _constants(mechanism: BandMF, n: int, factors: np.ndarray, dtype: np.dtype[Any]) -> _Constants:
+    slots = mechanism.bands - 1
+    mixes = np.zeros((n, slots), dtype=dtype)
+    for t in range(n if slots else 0):
+        mixes[t] = mechanism.mixing_vector(t).astype(dtype)
+    return _Constants(
+        mixes=mixes,
+        c0=dtype.type(float(mechanism.coefficients[0])),
+        scales=np.array([mechanism.noise_scale(t) for t in range(n)], dtype=dtype),
+        factors=np.ascontiguousarray(factors[:n], dtype=np.float64),
+    )
+
+
+#: One tile's entries: (columns, rows, values), concatenated by the caller.
+_Entries = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def _tile_entries(
@@ -206,54 +234,50 @@ def _tile_entries(
     schedule: AccessSchedule,
     order: np.ndarray,
     dim: int,
-    mechanism: BandMF,
     noise: KeyedNoise,
-    factors: np.ndarray,
-    mixes: list[np.ndarray],
+    consts: _Constants,
 ) -> _Entries:
-    """The entries of one tile's rows: its recursion over all n steps, on its own."""
+    """The entries of one tile's rows: its recursion over all n steps, on its own, in
+    step chunks whose fresh noise fits `STEP_CHUNK_BYTES`."""
+    from cocoon_ckpt.embedding._tile_kernel import CHUNK_COLUMNS, tile_steps
+
     n = schedule.steps
     np_dtype = noise.np_dtype
-    slots_ = mechanism.bands - 1
     k = tile.size
+    width = k * dim
     trows = order[tile]
     lo, hi = int(tile.min()) * dim, (int(tile.max()) + 1) * dim
-    contiguous = hi - lo == k * dim and bool(np.all(np.diff(tile) == 1))
-    coords = None if contiguous else (tile[:, None] * dim + np.arange(dim) - lo).ravel()
-    # this tile's reads, by step: (step, local row)
+    contiguous = hi - lo == width and bool(np.all(np.diff(tile) == 1))
+    coords = (
+        None
+        if contiguous
+        else torch.from_numpy((tile[:, None] * dim + np.arange(dim) - lo).ravel())
+    )
+    # this tile's reads, row by row: positions in row_steps without a loop per row
     starts, stops = schedule.row_ptr[trows], schedule.row_ptr[trows + 1]
     lens = stops - starts
-    local = np.repeat(np.arange(k, dtype=np.int64), lens)
-    # positions in row_steps of every read of these rows, without a loop per row
-    idx = np.arange(local.size) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
-    ev_step = schedule.row_steps[idx]
-    by_step = np.argsort(ev_step, kind="stable")
-    ev_step, local = ev_step[by_step], local[by_step]
-    bounds = np.searchsorted(ev_step, np.arange(n + 1))
-    hist = HostRing(slots_, k * dim, np_dtype)
-    acc = np.zeros((k, dim), dtype=np.float64)
-    # acc += f_t * float64(w_t), as two rounded operations into one reused buffer (the
-    # cast is exact; no fused multiply-add), so no temporaries per step
-    term = np.empty((k, dim), dtype=np.float64)
-    cols: list[np.ndarray] = []
-    rows_out: list[np.ndarray] = []
-    vals: list[np.ndarray] = []
-    for t in range(n):
-        z = noise.fresh(t, lo, hi)
-        if coords is not None:
-            z = z[torch.from_numpy(coords)]
-        w = bandmf_step(mechanism, t, z, hist, mix=mixes[t] if slots_ else None)
-        a, b = bounds[t], bounds[t + 1]
-        if b > a:
-            sel = local[a:b]
-            cols.append(np.full(b - a, t, dtype=np.int64))
-            rows_out.append(trows[sel])
-            vals.append((-acc[sel]).astype(np_dtype))
-            acc[sel] = 0.0
-        np.copyto(term, w.numpy().reshape(k, dim))
-        np.multiply(term, float(factors[t]), out=term)
-        np.add(acc, term, out=acc)
-    cols.append(np.full(k, n, dtype=np.int64))
-    rows_out.append(trows)
-    vals.append((-acc).astype(np_dtype))
-    return cols, rows_out, vals
+    ev_ptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    idx = np.arange(int(ev_ptr[-1]), dtype=np.int64) + np.repeat(starts - ev_ptr[:-1], lens)
+    ev_steps = np.ascontiguousarray(schedule.row_steps[idx], dtype=np.int64)
+    nxt = ev_ptr[:-1].copy()
+    out = np.empty((ev_steps.size, dim), dtype=np_dtype)
+    ring = np.zeros(consts.mixes.shape[1] * width, dtype=np_dtype)
+    acc = np.zeros(width, dtype=np.float64)
+    span = max(1, min(n, STEP_CHUNK_BYTES // max(1, width * np_dtype.itemsize)))
+    z = np.empty(span * width, dtype=np_dtype)
+    chunk_rows = max(1, CHUNK_COLUMNS // dim)
+    for t0 in range(0, n, span):
+        t1 = min(t0 + span, n)
+        for t in range(t0, t1):
+            zt = noise.fresh(t, lo, hi)
+            if coords is not None:
+                zt = zt[coords]
+            z[(t - t0) * width : (t - t0 + 1) * width] = zt.numpy()
+        tile_steps(
+            z[: (t1 - t0) * width], t0, ring, acc, consts.mixes, consts.c0, consts.scales,
+            consts.factors, ev_ptr, ev_steps, nxt, out, dim, chunk_rows,
+        )  # fmt: skip
+    tails = (-acc).astype(np_dtype).reshape(k, dim)
+    cols = np.concatenate([ev_steps, np.full(k, n, dtype=np.int64)])
+    rows_out = np.concatenate([np.repeat(trows, lens), trows])
+    return cols, rows_out, np.concatenate([out, tails])

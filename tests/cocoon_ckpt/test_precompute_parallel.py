@@ -93,8 +93,8 @@ def test_parallel_explicit_tiles_in_any_order(threads: int, seed: int) -> None:
 
 
 def test_parallel_with_the_compiled_gemv() -> None:
-    # tiles whose ring reaches the compiled kernel's threshold: the workers run it on
-    # one numba thread each, the caller on its own count
+    # wide tiles (rings the old per-step loop ran the compiled GEMV over): several of
+    # the tile kernel's column chunks per tile, workers and the caller alike
     dim, bands = 16, 3
     tile_rows = -(-COMPILED_MIN_ELEMENTS // ((bands - 1) * dim))
     sched, mech, f = _case(2 * tile_rows + 5, 4, bands, 2000, 3)
