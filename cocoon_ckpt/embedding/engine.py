@@ -20,6 +20,7 @@ from cocoon_ckpt.dp.noise import CorrelatedNoise
 from cocoon_ckpt.embedding.config import TableMode, TableSpec
 from cocoon_ckpt.embedding.csc import CoalescedCSC
 from cocoon_ckpt.embedding.lazy import LazyNoise
+from cocoon_ckpt.embedding.one_thread import one_thread
 from cocoon_ckpt.embedding.precompute import precompute_csc, table_key, table_noise
 from cocoon_ckpt.embedding.schedule import AccessSchedule
 from cocoon_ckpt.tiers.build import build_history
@@ -169,7 +170,8 @@ class TableEngine:
                 raise RuntimeError(f"table {self.spec.param}: precompute() has not run")
             rows, vals = self.csc.column(t)
             if rows.size:
-                weight.index_add_(0, torch.from_numpy(rows), torch.from_numpy(vals))
+                with one_thread():  # a column is about a batch of rows (one_thread says why)
+                    weight.index_add_(0, torch.from_numpy(rows), torch.from_numpy(vals))
             self.entries_applied += int(rows.size)
         elif self.lazy is not None:
             lo, hi = int(self.schedule.step_ptr[t]), int(self.schedule.step_ptr[t + 1])
@@ -204,7 +206,8 @@ class TableEngine:
         online noise; every other row's noise waits in its entry."""
         scale = -lr / batch
         if rows.numel():
-            weight.index_add_(0, rows, vals.to(self.dtype), alpha=scale)
+            with one_thread():  # a batch of rows (one_thread says why)
+                weight.index_add_(0, rows, vals.to(self.dtype), alpha=scale)
         online = self.online_noise()
         if online is not None:
             weight.index_add_(0, online[0], online[1], alpha=scale)

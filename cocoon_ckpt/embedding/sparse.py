@@ -16,6 +16,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from cocoon_ckpt.embedding.config import TableSpec
+from cocoon_ckpt.embedding.one_thread import one_thread
 from cocoon_ckpt.errors import UnsupportedModelError
 
 __all__ = ["SparseGrads", "check_tables", "gather_rows", "sparse_per_sample", "sum_rows"]
@@ -108,15 +109,16 @@ def gather_rows(
     params = dict(model.named_parameters())
     ids, rows = [], []
     copied: set[int] = set()
-    for spec in specs:
-        src = batch[spec.data_index]
-        r = src[:, spec.column].to(torch.int64).clone()
-        if spec.data_index not in copied:
-            batch[spec.data_index] = src.clone()
-            copied.add(spec.data_index)
-        batch[spec.data_index][:, spec.column] = 0
-        ids.append(r)
-        rows.append(params[spec.param].detach()[r])
+    with one_thread():  # a batch of small gathers (one_thread says why)
+        for spec in specs:
+            src = batch[spec.data_index]
+            r = src[:, spec.column].to(torch.int64).clone()
+            if spec.data_index not in copied:
+                batch[spec.data_index] = src.clone()
+                copied.add(spec.data_index)
+            batch[spec.data_index][:, spec.column] = 0
+            ids.append(r)
+            rows.append(params[spec.param].detach()[r])
     return ids, tuple(rows)
 
 
@@ -124,7 +126,8 @@ def sum_rows(
     ids: torch.Tensor, grads: torch.Tensor, scale: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unique rows and their summed clipped gradients (k,), (k, dim)."""
-    uniq, inv = torch.unique(ids, return_inverse=True)
-    out = torch.zeros(uniq.numel(), grads.shape[-1], dtype=grads.dtype, device=grads.device)
-    out.index_add_(0, inv, grads * scale.to(grads.dtype)[:, None])
+    with one_thread():  # a batch of rows: too small for torch's threads (one_thread)
+        uniq, inv = torch.unique(ids, return_inverse=True)
+        out = torch.zeros(uniq.numel(), grads.shape[-1], dtype=grads.dtype, device=grads.device)
+        out.index_add_(0, inv, grads * scale.to(grads.dtype)[:, None])
     return uniq, out
