@@ -140,7 +140,7 @@ def precompute_csc(
         tiles: explicit tiles (arrays of slots >= hot, each slot once), any order.
         progress: called (in the caller's thread) with the slots finished after each tile.
         threads: tiles computed at once, each on one thread (None: `default_threads()`;
-            1: in the caller's thread, with the caller's torch and numba threads).
+            1: in the caller's thread, the fresh noise on the caller's torch threads).
 
     Returns:
         The CSC, columns 0..n-1 and the tails in column n.
