@@ -14,7 +14,7 @@ bits). The first chunk of each new Poisson batch size is recorded and checked ag
 eager, so early rounds of "ours" carry that one-time cost (its round range shows it).
 
     python bench/dp_step.py [--hidden 256] [--batch 64] [--steps 50] [--rounds 7]
-        [--threads 1] [--model both|mlp|digits]
+        [--threads 1] [--model both|mlp|digits] [--clock wall|cpu]
 
 Opacus is optional (`pip install opacus`, e.g. in a venv with --system-site-packages);
 without it its column is skipped.
@@ -39,13 +39,15 @@ from cocoon_ckpt.train.trainer import DPTrainer
 Step = Callable[[], Any]
 
 
-def seconds_per_step(step: Step, steps: int, warmup: int = 3) -> float:
+def seconds_per_step(
+    step: Step, steps: int, warmup: int = 3, clock: Callable[[], float] = time.perf_counter
+) -> float:
     for _ in range(warmup):
         step()
-    t = time.perf_counter()
+    t = clock()
     for _ in range(steps):
         step()
-    return (time.perf_counter() - t) / steps
+    return (clock() - t) / steps
 
 
 def digits_model() -> nn.Module:
@@ -134,12 +136,13 @@ def contenders(
 def compare(name: str, trainers: list[DPTrainer], steps: dict[str, Step], args: Any) -> None:
     trainer = trainers[0]
     times: dict[str, list[float]] = {k: [] for k in steps}
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     for _ in range(args.rounds):
         for k, step in steps.items():
-            times[k].append(seconds_per_step(step, args.steps))
+            times[k].append(seconds_per_step(step, args.steps, clock=clock))
     med = {k: statistics.median(v) for k, v in times.items()}
     cols = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in med.items())
-    print(f"{name} (dim {trainer.dim}): median ms/step: {cols}")
+    print(f"{name} (dim {trainer.dim}): median ms/step ({args.clock} clock): {cols}")
     pairs = [("ours", "opacus"), ("ours-eager", "opacus"), ("ours", "ours-eager")]
     pairs.append(("ours", "non-private"))
     for ours, base in pairs:
@@ -171,6 +174,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--model", choices=("both", "mlp", "digits"), default="both")
+    p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: this thread's CPU time (time.thread_time), which a busy neighbour "
+        "inflates far less than wall time; fair with --threads 1, where every "
+        "contender computes on the calling thread",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     total = args.rounds * (args.steps + 3) + 10
