@@ -7,16 +7,17 @@ import dataclasses
 from collections.abc import Callable
 
 from cocoon_ckpt.embedding.engine import TablePlan
+from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.layout import THREAT_MODEL_DEFAULT
 from cocoon_ckpt.records import ModelShapes
 from cocoon_ckpt.train.config import JobConfig
 from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.identity import check_config_optimizer
-from cocoon_ckpt.train.mechanisms import Mechanism
+from cocoon_ckpt.train.mechanisms import Mechanism, build_mechanism, mechanism_from_state
 from cocoon_ckpt.train.parts import JobParts, resolve
 from cocoon_ckpt.train.trainer import DPTrainer
 
-__all__ = ["build_trainer", "model_shapes", "threat_model"]
+__all__ = ["build_trainer", "model_shapes", "rank0_mechanism", "threat_model"]
 
 
 def build_trainer(
@@ -52,6 +53,8 @@ def build_trainer(
             f"job {config.job!r}: the builder returned {type(parts).__name__}, not JobParts"
         )
     check_config_optimizer(parts.optimizer, config.optimizer, config.lr, parts.scheduler)
+    if dist is not None:
+        mechanism = rank0_mechanism(config, dist, mechanism)
     emb = config.embedding
     if emb is not None and not emb.tables:
         emb = dataclasses.replace(emb, tables=tuple(parts.tables))
@@ -76,6 +79,31 @@ def build_trainer(
         pin_memory=parts.pin_memory,
         collate_fn=parts.collate_fn,
     )
+
+
+def rank0_mechanism(config: JobConfig, dist: DistContext, mechanism: Mechanism | None) -> Mechanism:
+    """The coordinator's mechanism (`mechanism`, or built from the config), on every rank.
+
+    Each rank computes its slice of w_t from the strategy it holds, and the version
+    records the coordinator's: a fit run on every rank may differ in its last bits on
+    another host (BLAS, libm), so one fit is broadcast. On one host it also spares the
+    other ranks a BLT fit (seconds of CPU each) that would give the same bits.
+
+    Raises:
+        ConfigError: the coordinator could not build it (every rank raises, none hangs).
+    """
+    if dist.is_coordinator:
+        try:
+            mine = mechanism or build_mechanism(config.dp)
+        except BaseException as exc:
+            dist.broadcast_object(("error", f"{type(exc).__name__}: {exc}"))
+            raise
+        dist.broadcast_object(("ok", mine.state_dict()))
+        return mine
+    status, payload = dist.broadcast_object(None)
+    if status == "error":
+        raise ConfigError(f"rank 0 could not build the job's mechanism: {payload}")
+    return mechanism_from_state(payload)
 
 
 def threat_model(config: JobConfig) -> str:

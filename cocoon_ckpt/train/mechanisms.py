@@ -32,6 +32,7 @@ __all__ = [
     "build_mechanism",
     "build_noise",
     "check_mechanism",
+    "mechanism_from_state",
 ]
 
 Mechanism: TypeAlias = BandMF | BLT
@@ -56,6 +57,21 @@ def build_mechanism(config: DPConfig) -> Mechanism:
     if config.mechanism is MechanismKind.BLT:
         return job_blt(config.steps, config.bands)
     raise ConfigError(f"DPConfig.mechanism={config.mechanism.value!r} cannot be built yet")
+
+
+def mechanism_from_state(state: dict[str, Any]) -> Mechanism:
+    """The mechanism a `state_dict()` describes, bit for bit (a BandMF's coefficients and
+    a BLT's parameters as stored, never refitted).
+
+    Raises:
+        ValueError: `state` is neither a BandMF's nor a BLT's (its `kind` is named).
+    """
+    kind = state.get("kind")
+    if kind == "BLT":
+        return BLT.from_state_dict(state)
+    if kind == "BandMF":
+        return BandMF.from_state_dict(state)
+    raise ValueError(f"mechanism state of kind {kind!r}: expected 'BandMF' or 'BLT'")
 
 
 def check_mechanism(config: DPConfig, mechanism: Mechanism, *, embedding: bool) -> None:
