@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from cocoon_ckpt.dp.noise import BLOCK
+from cocoon_ckpt.errors import ConfigError
 
-__all__ = ["DistContext", "shard_bounds"]
+__all__ = ["DistContext", "check_distributed", "shard_bounds"]
 
 
 def shard_bounds(dim: int, world: int) -> list[tuple[int, int]]:
@@ -39,6 +40,27 @@ def shard_bounds(dim: int, world: int) -> list[tuple[int, int]]:
     else:
         cuts = [dim * r // world for r in range(world + 1)]
     return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+
+def check_distributed(embedding: object | None, world: int) -> None:
+    """Refuse what a job of `world` ranks cannot run, before anything is written.
+
+    Every mechanism shards (BandMF's ring and BLT's buffers alike: both a `RingHistory`
+    of the shard's columns, the fresh noise a pure function of (key, t, block)); the
+    embedding tables' noise engines do not.
+
+    Args:
+        embedding: the job's `EmbeddingConfig`, or None.
+        world: the number of ranks.
+
+    Raises:
+        ConfigError: embedding noise with more than one rank.
+    """
+    if world > 1 and embedding is not None:
+        raise ConfigError(
+            f"embedding noise with torch.distributed (WORLD_SIZE={world}) is not supported: "
+            "run the embedding job in one process, or drop EmbeddingConfig (--embedding)"
+        )
 
 
 @dataclass(frozen=True, slots=True)

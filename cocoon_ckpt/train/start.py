@@ -13,7 +13,7 @@ from typing import Any
 from cocoon_ckpt.keys import load_key, new_key, read_key_file, save_key
 from cocoon_ckpt.layout import KEY_SECRET
 from cocoon_ckpt.train.config import JobConfig
-from cocoon_ckpt.train.distributed import DistContext
+from cocoon_ckpt.train.distributed import DistContext, check_distributed
 from cocoon_ckpt.train.parts import JobParts
 from cocoon_ckpt.train.resume import check_records, prepare_trainer
 from cocoon_ckpt.train.trainer import DPTrainer
@@ -58,6 +58,10 @@ def start_job(
             calibrates it: `train.target_epsilon.calibrated_job`), before anything opens.
     """
     _ = config.dp.sigma  # the noise multiplier that will run, given or calibrated
+    if dist is not None:
+        # a single process's trainer is built and checked below; the ranks build theirs
+        # after this start, so what they would refuse is refused here, before any write
+        check_distributed(config.embedding, dist.world)
     store = _open_existing(store_url, storage_options, fs)
     try:
         for _ in range(2):
