@@ -10,6 +10,12 @@ halves the learning rate every two epochs; the test accuracy is printed after ea
 epoch. Kill it at any moment and run it again: it resumes from the newest version and
 ends with the same model bit for bit. The model and its privacy report are exported
 once every step is taken.
+
+Its parts import (`examples/` is not a package: run from the repository root): `Digits`,
+`make_model`, `make_parts`, `make_config`, and `build`, the job builder the CLI takes:
+
+    cocoon-ckpt train --job examples.digits.run:build --store runs/d.zarr --steps 44 \
+        --batch-size 128 --physical-batch-size 32 --dataset-size 1437 --lr 0.5 --bands 4
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ TRAIN = 1437  # the first 80% of load_digits' fixed order; the rest is the test 
 BATCH = 128  # the logical (Poisson) batch: what the privacy accounting sees
 PHYSICAL = 32  # examples per per-sample-gradient chunk: what memory sees
 LR = 0.5
+PER_EPOCH = TRAIN // BATCH  # steps per epoch
 
 
 class Digits(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -52,6 +59,51 @@ def accuracy(model: nn.Module, data: Digits) -> float:
         return float((model(data.x).argmax(dim=1) == data.y).float().mean())
 
 
+def make_model() -> nn.Module:
+    """The MLP (64-64-10, tanh), initialised from torch's seed 0: the same initial model
+    on every run (a resume replaces it). Reseeds torch's global generator."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10))
+
+
+def make_parts(workers: int = 1) -> JobParts:
+    """The job's parts: the model, SGD at `LR` halved every two epochs by a StepLR, and
+    the training images as a map-style Dataset (`workers` DataLoader processes)."""
+    train = Digits(train=True)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    return JobParts(
+        model=model,
+        optimizer=optimizer,
+        loss_fn=nn.functional.cross_entropy,
+        dataset=train,
+        scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=2 * PER_EPOCH, gamma=0.5),
+        num_workers=workers,
+    )
+
+
+def make_config(epochs: int) -> JobConfig:
+    """The job this script runs: `epochs` epochs of `PER_EPOCH` Poisson batches, a
+    checkpoint after each."""
+    dp = DPConfig(
+        steps=epochs * PER_EPOCH,
+        batch_size=BATCH,
+        physical_batch_size=PHYSICAL,
+        dataset_size=TRAIN,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        bands=4,
+    )
+    # the name stores written by this script record (a resume compares it)
+    return JobConfig(job="examples.digits:run", dp=dp, lr=LR, checkpoint_every=PER_EPOCH)
+
+
+def build(config: JobConfig) -> JobParts:
+    """The job builder (`--job examples.digits.run:build`): `make_parts`, its DataLoader
+    workers from `config.options["workers"]` (default 0, in the training process)."""
+    return make_parts(int(config.options.get("workers", 0)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("store", nargs="?", default="runs/digits.zarr")
@@ -59,29 +111,11 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1, help="DataLoader worker processes")
     args = ap.parse_args()
 
-    train, test = Digits(train=True), Digits(train=False)
-    per_epoch = len(train) // BATCH
-    torch.manual_seed(0)  # the same initial model on every run (a resume replaces it)
-    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10))
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    parts = JobParts(
-        model=model,
-        optimizer=optimizer,
-        loss_fn=nn.functional.cross_entropy,
-        dataset=train,
-        scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=2 * per_epoch, gamma=0.5),
-        num_workers=args.workers,
-    )
-    dp = DPConfig(
-        steps=args.epochs * per_epoch,
-        batch_size=BATCH,
-        physical_batch_size=PHYSICAL,
-        dataset_size=len(train),
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-        bands=4,
-    )
-    config = JobConfig(job="examples.digits:run", dp=dp, lr=LR, checkpoint_every=per_epoch)
+    test = Digits(train=False)
+    per_epoch = PER_EPOCH
+    parts = make_parts(args.workers)
+    config = make_config(args.epochs)
+    dp = config.dp
     key = args.store.rstrip("/") + ".key"
     os.makedirs(os.path.dirname(os.path.abspath(args.store)), exist_ok=True)
     with open_job(config, args.store, parts, key_file=key) as job:
