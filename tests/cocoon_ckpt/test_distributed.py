@@ -29,11 +29,11 @@ pytestmark = pytest.mark.slow
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def _train_args(store: Path, key: Path) -> list[str]:
+def _train_args(store: Path, key: Path, extra: tuple[str, ...] = ()) -> list[str]:
     return [
         *("-m", "cocoon_ckpt", "train", "--example", "mlp", "--store", str(store)),
         *("--key-file", str(key), "--steps", "14", "--bands", "4"),
-        *("--checkpoint-every", "4", "--no-progress"),
+        *("--checkpoint-every", "4", "--no-progress", *extra),
     ]
 
 
@@ -49,9 +49,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _ranks(world: int, store: Path, key: Path, crash: dict[int, str] | None = None) -> list[int]:
+def _ranks(
+    world: int,
+    store: Path,
+    key: Path,
+    crash: dict[int, str] | None = None,
+    extra: tuple[str, ...] = (),
+) -> list[int]:
     """The job's ranks started directly, with the environment torchrun gives them (no
-    launcher process); their exit codes. `crash` arms COCOON_CRASH_AT per rank."""
+    launcher process); their exit codes. `crash` arms COCOON_CRASH_AT per rank; `extra`
+    are more `train` flags."""
     port = str(_free_port())
     procs = []
     for rank in range(world):
@@ -64,7 +71,7 @@ def _ranks(world: int, store: Path, key: Path, crash: dict[int, str] | None = No
             env["COCOON_CRASH_AT"] = crash[rank]
         procs.append(
             subprocess.Popen(
-                [sys.executable, *_train_args(store, key)],
+                [sys.executable, *_train_args(store, key, extra)],
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -73,12 +80,12 @@ def _ranks(world: int, store: Path, key: Path, crash: dict[int, str] | None = No
     return [p.wait(timeout=300) for p in procs]
 
 
-def _single(store: Path, key: Path) -> None:
+def _single(store: Path, key: Path, extra: tuple[str, ...] = ()) -> None:
     """The one-process run, in this process (one thread, as the ranks run)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert main(_train_args(store, key)[2:]) == 0
+        assert main(_train_args(store, key, extra)[2:]) == 0
     finally:
         torch.set_num_threads(threads)
 
