@@ -1,8 +1,10 @@
 """Local disk: temp file + fsync + link for the commit, owner-only modes, fsynced folders.
 
 zarr never fsyncs, and a rename silently overwrites on POSIX, so this backend writes
-every file through a temp file it fsyncs, commits with `os.link` (which fails if the
-target exists) and fsyncs folders so that new entries survive a power loss.
+every file that is visible once written through a temp file it fsyncs, commits with
+`os.link` (which fails if the target exists) and fsyncs folders so that new entries
+survive a power loss. A version's own files are invisible until its manifest exists, so
+they are written in place and fsynced in the background; the commit waits for them.
 """
 
 from __future__ import annotations
