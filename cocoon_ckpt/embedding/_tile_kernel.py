@@ -35,34 +35,15 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+# The GEMV's rounding primitives are the engine's own (each product and each addition
+# rounded on its own, slots in order): one definition, so the tile pass cannot drift
+# from `cocoon_ckpt.dp.gemv`'s fixed-order scheme.
+from cocoon_ckpt.dp._gemv_kernel import _add1, _add2, _add4, _first
+
 __all__ = ["CHUNK_COLUMNS", "tile_steps"]
 
 #: Columns per chunk: at b = 32 the chunk's ring (31 x 1024 float32) is 124 KiB, in L2.
 CHUNK_COLUMNS = 1024
-
-
-@njit(nogil=True, fastmath=False, cache=True)
-def _first(h, r0, a0):  # type: ignore[no-untyped-def]
-    for j in range(h.shape[0]):
-        h[j] = a0 * r0[j]
-
-
-@njit(nogil=True, fastmath=False, cache=True)
-def _add1(h, r0, a0):  # type: ignore[no-untyped-def]
-    for j in range(h.shape[0]):
-        h[j] = h[j] + a0 * r0[j]
-
-
-@njit(nogil=True, fastmath=False, cache=True)
-def _add2(h, r0, r1, a0, a1):  # type: ignore[no-untyped-def]
-    for j in range(h.shape[0]):
-        h[j] = (h[j] + a0 * r0[j]) + a1 * r1[j]
-
-
-@njit(nogil=True, fastmath=False, cache=True)
-def _add4(h, r0, r1, r2, r3, a0, a1, a2, a3):  # type: ignore[no-untyped-def]
-    for j in range(h.shape[0]):
-        h[j] = (((h[j] + a0 * r0[j]) + a1 * r1[j]) + a2 * r2[j]) + a3 * r3[j]
 
 
 @njit(nogil=True, fastmath=False, cache=True)
