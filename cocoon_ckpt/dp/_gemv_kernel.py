@@ -62,10 +62,10 @@ def _add4(o, r0, r1, r2, r3, a0, a1, a2, a3):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, fastmath=False, cache=True)
-def _block(mix, flat, rs, out, lo, hi):  # type: ignore[no-untyped-def]
-    # Row i of the ring is flat[i * rs : i * rs + width]; this block is columns lo:hi.
+def _rows_into(o, mix, flat, rs, lo, hi):  # type: ignore[no-untyped-def]
+    # o = sum_i mix[i] * flat[i * rs + lo : i * rs + hi], slots in order, four rows at a
+    # time. The embedding precompute's tile pass calls it with its own chunk buffer.
     slots = mix.shape[0]
-    o = out[lo:hi]
     _first(o, flat[lo:hi], mix[0])
     i = 1
     while i + 4 <= slots:
@@ -89,6 +89,12 @@ def _block(mix, flat, rs, out, lo, hi):  # type: ignore[no-untyped-def]
     if i < slots:
         b = i * rs
         _add1(o, flat[b + lo : b + hi], mix[i])
+
+
+@njit(nogil=True, fastmath=False, cache=True)
+def _block(mix, flat, rs, out, lo, hi):  # type: ignore[no-untyped-def]
+    # Row i of the ring is flat[i * rs : i * rs + width]; this block is columns lo:hi.
+    _rows_into(out[lo:hi], mix, flat, rs, lo, hi)
 
 
 @njit(nogil=True, fastmath=False, parallel=True, cache=True)

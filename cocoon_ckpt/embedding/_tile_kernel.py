@@ -35,44 +35,15 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-# The GEMV's rounding primitives are the engine's own (each product and each addition
+# The GEMV over a chunk's slots is the engine's own (each product and each addition
 # rounded on its own, slots in order): one definition, so the tile pass cannot drift
 # from `cocoon_ckpt.dp.gemv`'s fixed-order scheme.
-from cocoon_ckpt.dp._gemv_kernel import _add1, _add2, _add4, _first
+from cocoon_ckpt.dp._gemv_kernel import _rows_into
 
 __all__ = ["CHUNK_COLUMNS", "tile_steps"]
 
 #: Columns per chunk: at b = 32 the chunk's ring (31 x 1024 float32) is 124 KiB, in L2.
 CHUNK_COLUMNS = 1024
-
-
-@njit(nogil=True, fastmath=False, cache=True)
-def _gemv(h, ring, mix, width, lo, hi):  # type: ignore[no-untyped-def]
-    # ring is flat (S * width,): slot i's chunk is ring[i * width + lo : i * width + hi]
-    slots = mix.shape[0]
-    _first(h, ring[lo:hi], mix[0])
-    i = 1
-    while i + 4 <= slots:
-        b = i * width
-        _add4(
-            h,
-            ring[b + lo : b + hi],
-            ring[b + width + lo : b + width + hi],
-            ring[b + 2 * width + lo : b + 2 * width + hi],
-            ring[b + 3 * width + lo : b + 3 * width + hi],
-            mix[i],
-            mix[i + 1],
-            mix[i + 2],
-            mix[i + 3],
-        )
-        i += 4
-    if i + 2 <= slots:
-        b = i * width
-        _add2(h, ring[b + lo : b + hi], ring[b + width + lo : b + width + hi], mix[i], mix[i + 1])
-        i += 2
-    if i < slots:
-        b = i * width
-        _add1(h, ring[b + lo : b + hi], mix[i])
 
 
 @njit(nogil=True, fastmath=False, cache=True)
@@ -141,7 +112,7 @@ def tile_steps(  # type: ignore[no-untyped-def]
             t = t0 + s
             zt = z[s * width + lo : s * width + hi]
             if slots:
-                _gemv(w, ring, mixes[t], width, lo, hi)
+                _rows_into(w, mixes[t], ring, width, lo, hi)
                 _recur(w, zt, c0)
                 b = (t % slots) * width
                 _store(ring[b + lo : b + hi], w)
