@@ -15,7 +15,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_digits_job_builder_resolves_and_builds(monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("sklearn", reason="examples/digits needs the examples extra")
     monkeypatch.chdir(ROOT)
     builder = resolve("examples.digits.run:build", search_cwd=True)
     example = __import__("examples.digits.run", fromlist=["make_config"])

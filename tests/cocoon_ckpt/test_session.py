@@ -205,7 +205,6 @@ def test_sigkill_of_a_user_loop_then_resume_matches_uninterrupted(tmp_path: Path
 
 
 def test_digits_example_runs(tmp_path: Path) -> None:
-    pytest.importorskip("sklearn", reason="examples/digits needs the examples extra")
     store = str(tmp_path / "digits.zarr")
     cmd = [sys.executable, str(ROOT / "examples" / "digits" / "run.py"), store, "--epochs", "1"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
