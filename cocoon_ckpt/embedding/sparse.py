@@ -102,24 +102,37 @@ def sparse_per_sample(
 
 
 def gather_rows(
-    model: nn.Module, specs: Sequence[TableSpec], batch: list[torch.Tensor]
+    weights: Sequence[torch.Tensor], specs: Sequence[TableSpec], batch: list[torch.Tensor]
 ) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]:
     """The ids each example reads per table, and its rows; zeroes those id columns in
-    `batch` (copies the id tensors first)."""
-    params = dict(model.named_parameters())
-    ids, rows = [], []
-    copied: set[int] = set()
+    `batch` (copies the id tensors first).
+
+    Args:
+        weights: the tables' weights, (R_i, dim_i) each, in `specs` order.
+        specs: the tables.
+        batch: the chunk's tensors, each (m, ...); the id tensors are replaced by copies.
+
+    Returns:
+        Per table the ids (m,) int64 and the rows (m, dim_i).
+    """
+    ids: list[torch.Tensor] = [torch.empty(0)] * len(specs)
     with one_thread():  # a batch of small gathers (one_thread says why)
-        for spec in specs:
-            src = batch[spec.data_index]
-            r = src[:, spec.column].to(torch.int64).clone()
-            if spec.data_index not in copied:
-                batch[spec.data_index] = src.clone()
-                copied.add(spec.data_index)
-            batch[spec.data_index][:, spec.column] = 0
-            ids.append(r)
-            rows.append(params[spec.param].detach()[r])
-    return ids, tuple(rows)
+        # one column gather and one zeroing per id tensor, not four small ops per table:
+        # dispatch dominates at a batch of ids (bench/dlrm.py's 26 tables, 1030 ids:
+        # 1.5-1.6 ms CPU a step before, 0.7-0.8 ms this way); same values
+        for index in dict.fromkeys(s.data_index for s in specs):
+            mine = [i for i, s in enumerate(specs) if s.data_index == index]
+            cols = [specs[i].column for i in mine]
+            src = batch[index]
+            picked = src[:, cols].to(torch.int64).t().contiguous()  # (tables, m)
+            batch[index] = src.clone()
+            batch[index][:, cols] = 0
+            for k, i in enumerate(mine):
+                ids[i] = picked[k]
+        rows = tuple(
+            torch.index_select(w.detach(), 0, r) for w, r in zip(weights, ids, strict=True)
+        )
+    return ids, rows
 
 
 def sum_rows(

@@ -308,7 +308,7 @@ class PerSampleGrads:
             if not self.tables:
                 grads, losses = fn(params, buffers, *chunk)
                 return grads, [], [], losses
-            ids, rows = gather_rows(self.model, self.tables, chunk)
+            ids, rows = gather_rows(self._tables, self.tables, chunk)
             (grads, row_grads), losses = fn(params, buffers, rows, *chunk)
             return grads, list(row_grads), ids, losses
         except RuntimeError as exc:
