@@ -4,7 +4,7 @@ dense online mechanism, side by side in one run, on synthetic Zipf data.
     python bench/dlrm.py [--scale 0.02] [--dim 16] [--batch 1024] [--zipf 1.1]
                          [--steps 40] [--bands 2 4 8 16 32] [--timed 5]
                          [--precompute-threads N] [--serial-precompute]
-                         [--sequential] [--fresh-floor]
+                         [--sequential] [--fresh-floor] [--one-thread-grads]
                          [--lazy-scale 0.1] [--lazy-batch 256]
 
 Tables: the 26 Criteo Kaggle tables (row counts as published with the DLRM reference,
@@ -44,7 +44,11 @@ and end-to-end time over --steps steps including the precompute, against the fas
 baseline's; with --fresh-floor also the time to draw the precompute's fresh noise alone
 (the same Gaussians as n dense steps draw for the cold rows, so a floor no tiling or
 thread count goes below, and the end-to-end ratio a precompute costing only that would
-give). Then b = 1: lazy DP-SGD noise (one Gaussian per gap, drawn when a row is
+give). With --one-thread-grads also a sixth engine, `coal-1thr`: the coalesced trainer
+(sharing its CSC) with its per-sample gradients and clipping on one torch thread, timed
+in the same rounds: a what-if, not a mode of the library, because MKL's GEMMs give other
+bits on one thread than on two at small row counts (chunks of 4-35 examples, float64
+also 511), so the switch would change a job's parameters. Then b = 1: lazy DP-SGD noise (one Gaussian per gap, drawn when a row is
 read) against dense DP-SGD noise over the whole tables, on --lazy-scale tables.
 """
 
@@ -61,6 +65,7 @@ from _dlrm_blas import BlasRing, TorchMvRing, use_ring
 
 from cocoon_ckpt import DPConfig, DPTrainer
 from cocoon_ckpt.embedding import EmbeddingConfig, TableMode, TableSpec, precompute_csc
+from cocoon_ckpt.embedding.one_thread import one_thread
 from cocoon_ckpt.examples.dlrm import DLRM, make_data, table_rows
 from cocoon_ckpt.tiers import GemvMode, TierConfig
 from cocoon_ckpt.tiers.device import default_device
@@ -78,6 +83,7 @@ def build(
     mode: TableMode,
     tiers: TierConfig | None,
     data: tuple[torch.Tensor, ...],
+    plans: dict[str, Any] | None = None,
 ) -> DPTrainer:
     torch.manual_seed(0)
     model = DLRM(13, rows, dim)
@@ -100,6 +106,7 @@ def build(
         KEY,
         embedding=emb,
         table_tiers=tiers,
+        table_plans=plans,
     )
 
 
@@ -149,6 +156,7 @@ ENGINES: dict[str, tuple[TableMode, TierConfig | None]] = {
     "CPU-BLAS": (TableMode.DENSE, None),
     "dev-BLAS": (TableMode.DENSE, None),
     "coalesced": (TableMode.AUTO, None),
+    "coal-1thr": (TableMode.AUTO, None),
 }
 BASELINES = ("CPU-GEMV", "GPU-GEMV", "CPU-BLAS", "dev-BLAS")
 
@@ -157,13 +165,19 @@ def make_engine(name: str, args: argparse.Namespace, b: int, rows: list[int], da
     """A trainer for engine `name` at b bands, its rings in place and its CSC built:
     (trainer, precompute seconds, serial precompute seconds or None)."""
     mode, tiers = ENGINES[name]
-    tr = build(rows, args.dim, args.batch, b, args.steps, args.zipf, mode, tiers, data)
+    # coal-1thr takes the coalesced engine's plans (the profile is timed, so a second
+    # choice could differ) and then its CSCs
+    plans = args.plans if name == "coal-1thr" else None
+    tr = build(rows, args.dim, args.batch, b, args.steps, args.zipf, mode, tiers, data, plans)
     assert tr.embedding is not None
     if name == "CPU-BLAS":
         use_ring(tr, BlasRing)
     elif name == "dev-BLAS":
         dev = default_device()
         use_ring(tr, lambda s, w, d: TorchMvRing(s, w, d, dev))
+    if name == "coal-1thr":
+        one_thread_grads(tr, args.csc)
+        return tr, 0.0, None
     if name != "coalesced":
         return tr, 0.0, None
     if args.fresh_floor:
@@ -190,7 +204,25 @@ def make_engine(name: str, args: argparse.Namespace, b: int, rows: list[int], da
                 if x.dtype != y.dtype or not np.array_equal(x, y):
                     raise SystemExit(f"{e.spec.param}: the parallel precompute's CSC differs")
         e.csc = got[args.precompute_threads]
+    args.csc = [e.csc for e in tr.embedding.engines]
+    args.plans = tr.embedding.plans()
     return tr, pre, serial
+
+
+def one_thread_grads(tr: DPTrainer, cscs: list[Any]) -> None:
+    """Take the coalesced engine's CSCs (the same job: the same entries) and run this
+    trainer's per-sample gradients and clipping on one torch thread (the what-if)."""
+    assert tr.embedding is not None
+    for e, csc in zip(tr.embedding.engines, cscs, strict=True):
+        if csc is not None:
+            e.set_csc(csc)
+    clipped = tr.grads.clipped_sum
+
+    def on_one_thread(*a: Any, **k: Any) -> Any:
+        with one_thread():
+            return clipped(*a, **k)
+
+    tr.grads.clipped_sum = on_one_thread  # type: ignore[method-assign]
 
 
 def fresh_floor(tr: DPTrainer) -> float:
@@ -268,6 +300,11 @@ def main() -> None:
         action="store_true",
         help="also time drawing the precompute's fresh noise alone (its floor)",
     )
+    ap.add_argument(
+        "--one-thread-grads",
+        action="store_true",
+        help="also time the coalesced trainer with its per-sample gradients on one thread",
+    )
     ap.add_argument("--lazy-scale", type=float, default=0.1)
     ap.add_argument("--lazy-batch", type=int, default=256)
     args = ap.parse_args()
@@ -292,7 +329,8 @@ def main() -> None:
     )
     h3: list[str] = []
     for b in args.bands:
-        res, pre, serial, stats = time_engines(list(ENGINES), args, b, rows, data)
+        names = [n for n in ENGINES if n != "coal-1thr" or args.one_thread_grads]
+        res, pre, serial, stats = time_engines(names, args, b, rows, data)
         fastest = min(BASELINES, key=lambda n: res[n])
         base = res[fastest]
         e2e = (pre + args.steps * res["coalesced"]) / (args.steps * base)
@@ -312,6 +350,12 @@ def main() -> None:
                 f"b={b}: the precompute's fresh noise alone takes {fl:.1f}s "
                 f"({fl / pre:.2f} of the precompute); end-to-end with a precompute costing "
                 f"only that: {args.steps * base / (fl + args.steps * res['coalesced']):.2f}x"
+            )
+        if "coal-1thr" in res:
+            h3.append(
+                f"b={b}: coalesced with one-thread gradients (not the same bits) "
+                f"{res['coal-1thr'] * 1e3:.1f} ms: {base / res['coal-1thr']:.2f}x the fastest "
+                f"baseline, {res['coalesced'] / res['coal-1thr']:.2f}x the coalesced step"
             )
         h3.append(
             f"b={b}: threshold 3 would make {stats['h3_hot']:,} rows hot, "
