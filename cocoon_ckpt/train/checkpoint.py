@@ -4,6 +4,10 @@ A snapshot copies the trainer's `state_dict()` into host memory through the code
 (`cocoon_ckpt.train.codec`: only the ring slots new since the parent version are
 copied); a background thread writes it and commits. At most one
 checkpoint is in flight, so memory stays bounded by one snapshot.
+
+Two things run beside the writer, off the training loop's path: the version's epsilon
+(composed while the arrays are written; the recorded value is the same) and, on a
+local store, the retention after each commit, which the next commit waits for.
 """
 
 from __future__ import annotations
@@ -63,6 +67,13 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
+def _background(name: str) -> concurrent.futures.ThreadPoolExecutor:
+    """One lowered-priority worker thread named `name`."""
+    return concurrent.futures.ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix=name, initializer=_lower_priority
+    )
+
+
 class Checkpointer:
     """Writes versions of a trainer's state to a store, optionally in the background.
 
@@ -76,10 +87,19 @@ class Checkpointer:
         self.store = store
         self.async_write = async_write
         self.keep_last = keep_last
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="ckpt", initializer=_lower_priority
-        )
+        self._pool = _background("ckpt")
+        # The epsilon of a new round count is CPU work (FFTs, tens of ms) and the array
+        # writes mostly wait on the disk: composed on its own thread, the two overlap.
+        self._accounting = _background("ckpt-epsilon")
+        # Deleting a retired version waits on the disk (55-170 ms a version measured on
+        # this discard-mounted ext4, against ~20 ms of CPU): on a local store it runs on
+        # its own thread while the loop trains and the next version is written. Other
+        # backends retain inline: their wrappers (faulty://, chaos) draw faults in call
+        # order, which deletions interleaved with writes would make depend on timing.
+        self._background_retention = async_write and store.backend.capabilities.fsync
+        self._retainer = _background("ckpt-retain")
         self._inflight: concurrent.futures.Future[Manifest] | None = None
+        self._retaining: concurrent.futures.Future[None] | None = None
         self.last: Manifest | None = None
         self.bytes_written = 0
 
@@ -96,7 +116,7 @@ class Checkpointer:
 
         In a multi-process job every rank calls this at the same step; the write is in
         the foreground (its collectives must not interleave with training's)."""
-        self.wait()  # at most one in flight: bounded memory, ordered versions
+        self._wait_write()  # at most one in flight: bounded memory, ordered versions
         if trainer.dist is None or trainer.dist.is_coordinator:
             # a version without the job's records would be half-readable (export,
             # inspect and audit need them): refuse before anything is written
@@ -110,17 +130,33 @@ class Checkpointer:
             self._write(snap)
 
     def wait(self) -> Manifest | None:
+        """Block until the in-flight checkpoint is committed and its retention done;
+        re-raise the error of either."""
+        self._wait_write()
+        self._join_retention()
+        return self.last
+
+    def close(self) -> None:
+        """Wait (`wait`), then stop the background threads."""
+        try:
+            self.wait()
+        finally:
+            for pool in (self._pool, self._retainer, self._accounting):
+                pool.shutdown(wait=True)
+
+    def _wait_write(self) -> None:
         """Block until the in-flight checkpoint is committed; re-raise its error."""
         if self._inflight is not None:
             fut, self._inflight = self._inflight, None
             fut.result()
-        return self.last
 
-    def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            self._pool.shutdown(wait=True)
+    def _join_retention(self) -> None:
+        """Block until the last commit's retention is done; re-raise its error. Called
+        by the writer before the next commit and by `wait` after the write: never both
+        at once (at most one write is in flight)."""
+        if self._retaining is not None:
+            fut, self._retaining = self._retaining, None
+            fut.result()
 
     def _write_coordinated(self, snap: Snapshot, dist: DistContext) -> Manifest:
         """Every rank writes its arrays of version v (its own folder); after a barrier
@@ -176,7 +212,12 @@ class Checkpointer:
         )
 
     def _commit(self, txn: Transaction, snap: Snapshot) -> Manifest:
-        """Write this process's arrays into `txn`, then the records, and commit."""
+        """Write this process's arrays into `txn`, then the records, and commit; then
+        retention (on its own thread when `_background_retention`)."""
+        acc = snap.records.get("accountant")
+        epsilon = None
+        if acc is not None and acc.get("epsilon") is None:
+            epsilon = self._accounting.submit(Accountant.from_state_dict(acc).epsilon)
         for name, arr in snap.arrays.items():
             txn.put_array(name, arr)
         for name, meta in snap.references.items():
@@ -186,24 +227,38 @@ class Checkpointer:
         token = secrets.token_hex(4)
         for name, arr in snap.shared.items():
             txn.reference(name, self.store.put_shared(f"{token}/{name}", arr))
-        acc = snap.records.get("accountant")
-        if acc is not None and acc.get("epsilon") is None:
-            acc["epsilon"] = Accountant.from_state_dict(acc).epsilon()
+        if acc is not None and epsilon is not None:
+            acc["epsilon"] = epsilon.result()
         for name, rec in snap.records.items():
             txn.put_record(name, rec)
+        # The previous commit's retention ends before this version is visible: it never
+        # sees a manifest newer than the one it runs for nor this one's temp file (which
+        # it would take for a leftover), and its failure (a crash point, an I/O error)
+        # stops this commit, as it did when retention ran inline.
+        self._join_retention()
         manifest = txn.commit()
         self.bytes_written += txn.bytes_written
         self.last = manifest
-        try:
-            self.store.retain(keep_last=self.keep_last, newest_valid=manifest.version)
-        except (CorruptVersionError, FormatVersionError) as exc:
-            # The commit stands; only the clean-up is skipped, deleting nothing, until
-            # the damaged version is repaired or retain(discard_damaged=True) is asked for.
-            log.warning("version %d committed; retention skipped: %s", manifest.version, exc)
         log.info(
             "committed version %d at step %d (%d bytes)",
             manifest.version,
             snap.step,
             txn.bytes_written,
         )
+        if self._background_retention:
+            self._retaining = self._retainer.submit(self._retain, manifest.version)
+        else:
+            self._retain(manifest.version)
         return manifest
+
+    def _retain(self, newest: int) -> None:
+        """Retention after committing version `newest`. It deletes nothing above the
+        newest manifest it lists, and a version being written references only arrays
+        its parent (the newest, always kept) references, so it may run while the next
+        version's arrays are written."""
+        try:
+            self.store.retain(keep_last=self.keep_last, newest_valid=newest)
+        except (CorruptVersionError, FormatVersionError) as exc:
+            # The commit stands; only the clean-up is skipped, deleting nothing, until
+            # the damaged version is repaired or retain(discard_damaged=True) is asked for.
+            log.warning("version %d committed; retention skipped: %s", newest, exc)
