@@ -23,7 +23,7 @@ takes 0.3-0.5x the eager chunk's time, same bits.
 
 Each size is checked once before the merged tape serves it: its first chunk runs
 eagerly under the recorder, and its tape must be the merged one at that size, op for
-op (else that size stays eager), and the replay's bits the eager ones (else, logged,
+op (`train.size_check`; else that size stays eager), and the replay's bits the eager ones (else, logged,
 the eager path serves every chunk from then on), as it does for what cannot be
 replayed: random ops (dropout in training mode), ops whose result Python reads
 (`.item()`, data-dependent control flow) or whose shape depends on data (`nonzero`),
@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from cocoon_ckpt.train.size_check import SizeCheck
 from cocoon_ckpt.train.tape import MergeError, Recorder, Ref, Size, Tape, merge
 
 __all__ = ["ChunkFn", "TracedChunk", "compile_tape"]
@@ -155,6 +156,7 @@ class TracedChunk:
         self.eager_sizes: set[int] = set()
         self._first: Tape | None = None
         self._merged: Tape | None = None
+        self._check: SizeCheck | None = None
         self._replay: Callable[..., Any] | None = None
 
     @property
@@ -178,22 +180,25 @@ class TracedChunk:
             return result
         tape = recorder.tape(result, n)
         del recorder  # the chunk's intermediates
+        if self._check is not None:
+            differs = self._check.mismatch(tape)
+            if differs is not None:
+                self.eager_sizes.add(n)
+                log.info("per-sample gradients of chunks of %d run eagerly: %s", n, differs)
+                return result
+            self._verify(inputs, n, result)
+            return result
         try:
-            if self._merged is not None:
-                merge(self._merged, tape)
-            elif first is None:
+            if first is None:
                 self._first = tape
                 return result
             else:
                 self._first = None
                 self._merged = merge(first, tape)
                 self._replay = compile_tape(self._merged, len(inputs))
+                self._check = SizeCheck(self._merged)
         except MergeError as exc:
-            if self._merged is None:
-                self._retire(f"the tapes of two chunk sizes differ beyond n ({exc})", logging.INFO)
-            else:
-                self.eager_sizes.add(n)
-                log.info("per-sample gradients of chunks of %d run eagerly: %s", n, exc)
+            self._retire(f"the tapes of two chunk sizes differ beyond n ({exc})", logging.INFO)
             return result
         self._verify(inputs, n, result)
         return result
@@ -216,6 +221,7 @@ class TracedChunk:
 
     def _retire(self, reason: str, level: int) -> None:
         self.reason, self._replay, self._first, self._merged = reason, None, None, None
+        self._check = None
         log.log(level, "per-sample gradients run eagerly: %s", reason)
 
 
