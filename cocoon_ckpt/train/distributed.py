@@ -15,8 +15,9 @@ from torchrun's environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`)
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -24,8 +25,11 @@ import torch.distributed as dist
 
 from cocoon_ckpt.dp.noise import BLOCK
 from cocoon_ckpt.errors import ConfigError
+from cocoon_ckpt.train.rank_failure import packed, unpacked
 
 __all__ = ["DistContext", "check_distributed", "shard_bounds"]
+
+T = TypeVar("T")
 
 
 def shard_bounds(dim: int, world: int) -> list[tuple[int, int]]:
@@ -126,6 +130,43 @@ class DistContext:
         box = [obj if self.is_coordinator else None]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def agree(self, failure: BaseException | None) -> None:
+        """Every rank's checks done (`failure`: what this rank's raised, or None): raise,
+        on every rank, the failure of the lowest rank that had one, as that rank raised
+        it, so no rank goes on while another stops, and all exit alike.
+
+        Raises:
+            BaseException: the lowest failing rank's failure (this rank's own, traceback
+                included, where it is the lowest).
+        """
+        failures = self.all_gather_object(None if failure is None else packed(failure))
+        first = next((r for r, f in enumerate(failures) if f is not None), None)
+        if first is None:
+            return
+        if first == self.rank and failure is not None:
+            raise failure
+        raise unpacked(failures[first])
+
+    def from_coordinator(self, compute: Callable[[], T]) -> T:
+        """`compute()` run on rank 0 alone, its result (or its failure, raised as rank 0
+        raised it) on every rank.
+
+        Raises:
+            BaseException: whatever `compute` raised on rank 0.
+        """
+        if not self.is_coordinator:
+            status, payload = self.broadcast_object(None)
+            if status == "error":
+                raise unpacked(payload)
+            return payload  # type: ignore[no-any-return]
+        try:
+            value = compute()
+        except BaseException as exc:
+            self.broadcast_object(("error", packed(exc)))
+            raise
+        self.broadcast_object(("ok", value))
+        return value
 
     def barrier(self) -> None:
         dist.barrier()
