@@ -4,7 +4,11 @@ about it (threat model, model shapes)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
 
 from cocoon_ckpt.embedding.engine import TablePlan
 from cocoon_ckpt.errors import ConfigError
@@ -13,11 +17,19 @@ from cocoon_ckpt.records import ModelShapes
 from cocoon_ckpt.train.config import JobConfig
 from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.identity import check_config_optimizer
+from cocoon_ckpt.train.job_data import JobData
 from cocoon_ckpt.train.mechanisms import Mechanism, build_mechanism, mechanism_from_state
 from cocoon_ckpt.train.parts import JobParts, resolve
 from cocoon_ckpt.train.trainer import DPTrainer
 
-__all__ = ["build_trainer", "model_shapes", "rank0_mechanism", "threat_model"]
+__all__ = [
+    "build_trainer",
+    "check_parts",
+    "job_parts",
+    "model_shapes",
+    "rank0_mechanism",
+    "threat_model",
+]
 
 
 def build_trainer(
@@ -37,6 +49,40 @@ def build_trainer(
         ConfigError: the job's optimizer is not the one `config.optimizer`/`lr` name,
             or its dataset's size is not `config.dp.dataset_size`.
     """
+    parts = job_parts(config, builder)
+    check_config_optimizer(parts.optimizer, config.optimizer, config.lr, parts.scheduler)
+    if dist is not None:
+        mechanism = rank0_mechanism(config, dist, mechanism)
+    emb = config.embedding
+    if emb is not None and not emb.tables:
+        emb = dataclasses.replace(emb, tables=tuple(parts.tables))
+    return DPTrainer(
+        parts.model,
+        parts.optimizer,
+        parts.loss_fn,
+        _dataset(config, parts),
+        config.dp,
+        key,
+        mechanism=mechanism,
+        tiers=config.tiers,
+        embedding=emb,
+        table_plans=table_plans,
+        dist=dist,
+        overlap_noise=config.overlap_noise,
+        scheduler=parts.scheduler,
+        stateful=parts.stateful,
+        num_workers=parts.num_workers,
+        pin_memory=parts.pin_memory,
+        collate_fn=parts.collate_fn,
+    )
+
+
+def job_parts(config: JobConfig, builder: Callable[..., JobParts] | None) -> JobParts:
+    """The job's parts: `builder(config)` (None: `config.job` resolved), called once.
+
+    Raises:
+        ValueError: the builder does not take (config) or does not return JobParts.
+    """
     build = builder or resolve(config.job)
     try:
         parts = build(config)
@@ -52,33 +98,27 @@ def build_trainer(
         raise ValueError(
             f"job {config.job!r}: the builder returned {type(parts).__name__}, not JobParts"
         )
+    return parts
+
+
+def check_parts(config: JobConfig, parts: JobParts) -> None:
+    """The refusals of the job's parts that need no key: what `build_trainer` would
+    refuse, so a multi-process start refuses it on every rank before anything is written.
+
+    Raises:
+        ConfigError: the optimizer is not the one `config.optimizer`/`lr` name, the
+            dataset's size is not `config.dp.dataset_size`, or embedding noise is given
+            data other than tensors.
+    """
     check_config_optimizer(parts.optimizer, config.optimizer, config.lr, parts.scheduler)
-    if dist is not None:
-        mechanism = rank0_mechanism(config, dist, mechanism)
-    emb = config.embedding
-    if emb is not None and not emb.tables:
-        emb = dataclasses.replace(emb, tables=tuple(parts.tables))
+    # the trainer's own data checks, run on the data without the trainer
+    JobData(_dataset(config, parts), config.dp.dataset_size, needs_tensors=bool(config.embedding))
+
+
+def _dataset(config: JobConfig, parts: JobParts) -> Dataset[Any] | Sequence[torch.Tensor]:
     if parts.dataset is None:  # JobParts sets it; keeps the type exact
         raise ValueError(f"job {config.job!r}: JobParts has no dataset")
-    return DPTrainer(
-        parts.model,
-        parts.optimizer,
-        parts.loss_fn,
-        parts.dataset,
-        config.dp,
-        key,
-        mechanism=mechanism,
-        tiers=config.tiers,
-        embedding=emb,
-        table_plans=table_plans,
-        dist=dist,
-        overlap_noise=config.overlap_noise,
-        scheduler=parts.scheduler,
-        stateful=parts.stateful,
-        num_workers=parts.num_workers,
-        pin_memory=parts.pin_memory,
-        collate_fn=parts.collate_fn,
-    )
+    return parts.dataset
 
 
 def rank0_mechanism(config: JobConfig, dist: DistContext, mechanism: Mechanism | None) -> Mechanism:

@@ -31,7 +31,6 @@ from typing import Any
 from torch import nn
 
 from cocoon_ckpt.dp import _validate as valid
-from cocoon_ckpt.keys import load_key
 from cocoon_ckpt.records import JobRecords
 from cocoon_ckpt.train.checkpoint import Checkpointer
 from cocoon_ckpt.train.config import JobConfig
@@ -42,10 +41,10 @@ from cocoon_ckpt.train.metrics import MetricsError, TrainingMetrics, step_scalar
 from cocoon_ckpt.train.parts import JobParts
 from cocoon_ckpt.train.preempt import Preemption, preempted_error
 from cocoon_ckpt.train.resume import prepare_trainer
-from cocoon_ckpt.train.start import failure_to_ranks, start_job
+from cocoon_ckpt.train.start import parts_on_ranks, start_ranks
 from cocoon_ckpt.train.target_epsilon import calibrated_job
 from cocoon_ckpt.train.trainer import DPTrainer, StepResult
-from state import Manifest, Store, StoreError, Version
+from state import Manifest, Store, Version
 
 __all__ = ["JobSession", "open_job"]
 
@@ -112,10 +111,12 @@ def open_job(
     builder = (lambda _config: parts) if isinstance(parts, JobParts) else parts
     dist = DistContext.from_env()
     preempt = Preemption() if dist is None else None
+    if dist is not None:
+        builder = parts_on_ranks(config, builder, dist)
     with contextlib.ExitStack() as undo:
         if preempt is not None:
             undo.enter_context(preempt)
-        store, latest, key, trainer = _start(
+        store, latest, key, trainer = start_ranks(
             config,
             store_url,
             dist,
@@ -150,32 +151,6 @@ def open_job(
         session = JobSession(config, store, trainer, ckpt, records, latest, preempt, coordinator)
         undo.pop_all()  # the session owns the lease, the trainer and the handlers now
     return session
-
-
-def _start(
-    config: JobConfig,
-    store_url: str,
-    dist: DistContext | None,
-    builder: Callable[..., JobParts] | None,
-    **kw: Any,
-) -> tuple[Store, Version | None, bytes, DPTrainer | None]:
-    """The store (lease held by the coordinator), the version to resume from, the key,
-    and (single process) the trainer, checked and restored."""
-    if dist is not None and not dist.is_coordinator:
-        # wait for the coordinator's lease, key and choice of version
-        status, payload = dist.broadcast_object(None)
-        if status == "error":
-            raise StoreError(f"rank 0 could not start the job: {payload}")
-        opts, fs = kw["storage_options"], kw["fs"]
-        store = Store.open(store_url, storage_options=opts, fs=fs, create=False)
-        latest = store.read(payload) if payload is not None else None
-        return store, latest, load_key(store, kw["key_file"]), None
-    with failure_to_ranks(dist):
-        started = start_job(config, store_url, builder=builder, dist=dist, **kw)
-    if dist is not None:
-        latest = started[1]
-        dist.broadcast_object(("ok", latest.version if latest else None))
-    return started
 
 
 def _precompute(trainer: DPTrainer, on_precompute: Callable[[int, int], None] | None) -> None:

@@ -1,17 +1,22 @@
-"""Starting a job on the coordinator: every check first, then the first write
-(create the store, take the lease, keep a new job's key), so a refused start changes
-nothing."""
+"""Starting a job: every check first, then the first write (create the store, take the
+lease, keep a new job's key), so a refused start changes nothing.
+
+Under torch.distributed every rank builds and checks its parts before the coordinator
+writes (`parts_on_ranks`), then the coordinator alone checks the store and writes while
+the others wait for its lease, key and version (`start_ranks`); a refusal on any rank is
+raised on every rank as it was raised, so all exit alike with nothing written.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from cocoon_ckpt.keys import load_key, new_key, read_key_file, save_key
 from cocoon_ckpt.layout import KEY_SECRET
+from cocoon_ckpt.train.build import check_parts, job_parts
 from cocoon_ckpt.train.config import JobConfig
 from cocoon_ckpt.train.distributed import DistContext, check_distributed
 from cocoon_ckpt.train.parts import JobParts
@@ -19,7 +24,7 @@ from cocoon_ckpt.train.resume import check_records, prepare_trainer
 from cocoon_ckpt.train.trainer import DPTrainer
 from state import Store, StoreError, StoreNotFoundError, Version
 
-__all__ = ["failure_to_ranks", "start_job"]
+__all__ = ["parts_on_ranks", "start_job", "start_ranks"]
 
 log = logging.getLogger("cocoon_ckpt.train.runner")
 
@@ -115,13 +120,48 @@ def _job_key(store: Store | None, key_file: str | None, *, resuming: bool) -> by
     return new_key()
 
 
-@contextlib.contextmanager
-def failure_to_ranks(dist: DistContext | None) -> Iterator[None]:
-    """On the coordinator: a start-up failure is broadcast before it is raised, so the
-    other ranks, waiting for the lease, key and version, raise it too instead of hanging."""
+def parts_on_ranks(
+    config: JobConfig, builder: Callable[..., JobParts] | None, dist: DistContext
+) -> Callable[..., JobParts]:
+    """A builder of the parts every rank has built (once: a user's builder may hold
+    collectives and draws the model's initial weights) and checked as its trainer would,
+    before the coordinator writes anything: a refusal on any rank is raised on every
+    rank, with nothing written."""
     try:
-        yield
+        check_distributed(config.embedding, dist.world)
+        parts = job_parts(config, builder)
+        check_parts(config, parts)
     except BaseException as exc:
-        if dist is not None:
-            dist.broadcast_object(("error", f"{type(exc).__name__}: {exc}"))
+        dist.agree(exc)  # raises, on every rank
         raise
+    dist.agree(None)  # the other ranks' checks passed too
+    return lambda _config: parts
+
+
+def start_ranks(
+    config: JobConfig,
+    store_url: str,
+    dist: DistContext | None,
+    builder: Callable[..., JobParts] | None,
+    **kw: Any,
+) -> tuple[Store, Version | None, bytes, DPTrainer | None]:
+    """The store (lease held by the coordinator), the version to resume from, the key,
+    and (single process) the trainer, checked and restored."""
+    if dist is None:
+        return start_job(config, store_url, builder=builder, dist=None, **kw)
+    started: list[tuple[Store, Version | None, bytes, DPTrainer | None]] = []
+
+    def start() -> int | None:
+        started.append(start_job(config, store_url, builder=builder, dist=dist, **kw))
+        latest = started[0][1]
+        return latest.version if latest is not None else None
+
+    # the other ranks wait for the coordinator's lease, key and choice of version, and
+    # raise its refusal as it raised it
+    version = dist.from_coordinator(start)
+    if started:
+        return started[0]
+    opts, fs = kw["storage_options"], kw["fs"]
+    store = Store.open(store_url, storage_options=opts, fs=fs, create=False)
+    latest = store.read(version) if version is not None else None
+    return store, latest, load_key(store, kw["key_file"]), None
