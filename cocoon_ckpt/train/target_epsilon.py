@@ -14,7 +14,9 @@ process: the trainer built next reuses it), `dp.calibration.blt_noise_multiplier
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import os
+import sys
+from typing import TYPE_CHECKING, Any
 
 from cocoon_ckpt.dp.accountant import epsilon, noise_multiplier_for
 from cocoon_ckpt.dp.blt_accounting import accounting_sensitivity, blt_epsilon
@@ -25,6 +27,9 @@ from cocoon_ckpt.train.config import DPConfig, JobConfig
 from cocoon_ckpt.train.fingerprint import check_resume
 from cocoon_ckpt.train.resume import malformed_version
 from state import Store, StoreNotFoundError
+
+if TYPE_CHECKING:
+    from cocoon_ckpt.train.distributed import DistContext
 
 __all__ = ["calibrate", "calibrated_job", "check_target", "resolve"]
 
@@ -167,6 +172,42 @@ def calibrated_job(
     """
     if config.dp.target_epsilon is None:
         return config
+    ranks = _ranks()
+    if ranks is None:
+        return _calibrated_here(config, store_url, storage_options, fs, allow_fallback)
+    # Rank 0 alone decides sigma and every rank runs that float: a calibration (a BLT
+    # fit, a root search) run on each rank costs each its CPU and could differ in its
+    # last bits on another host. A refusal on rank 0 is raised on every rank.
+    sigma, calibrated = ranks.from_coordinator(
+        lambda: _sigma(_calibrated_here(config, store_url, storage_options, fs, allow_fallback))
+    )
+    dp = dataclasses.replace(config.dp, noise_multiplier=sigma, calibrated=calibrated)
+    return dataclasses.replace(config, dp=dp)
+
+
+def _sigma(config: JobConfig) -> tuple[float | None, bool]:
+    return config.dp.noise_multiplier, config.dp.is_calibrated
+
+
+def _ranks() -> DistContext | None:
+    """The job's ranks under torch.distributed (None: one process). torch is imported
+    only where a launcher set WORLD_SIZE or it is loaded already (the CLI's calibration
+    runs before anything else needs it)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and "torch.distributed" not in sys.modules:
+        return None
+    from cocoon_ckpt.train.distributed import DistContext
+
+    return DistContext.from_env()
+
+
+def _calibrated_here(
+    config: JobConfig,
+    store_url: str,
+    storage_options: dict[str, Any] | None,
+    fs: Any,
+    allow_fallback: bool,
+) -> JobConfig:
+    """`calibrated_job` in this process alone."""
     try:
         store = Store.open(store_url, storage_options=storage_options, fs=fs, create=False)
     except StoreNotFoundError:
