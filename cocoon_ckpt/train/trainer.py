@@ -22,7 +22,7 @@ from cocoon_ckpt.tiers.config import TierConfig
 from cocoon_ckpt.train.config import DPConfig
 from cocoon_ckpt.train.data import Batch
 from cocoon_ckpt.train.device import batch_to, model_device
-from cocoon_ckpt.train.distributed import DistContext
+from cocoon_ckpt.train.distributed import DistContext, check_distributed
 from cocoon_ckpt.train.grads import PerSampleGrads
 from cocoon_ckpt.train.identity import job_identity
 from cocoon_ckpt.train.job_data import JobData
@@ -93,6 +93,12 @@ class DPTrainer:
         stateful: other state checkpointed with the trainer's, by name (EMA, counters).
         num_workers, pin_memory, collate_fn: passed to the DataLoader of `loader()`;
             pin_memory None pins batches when the model is on a CUDA device.
+
+    Raises:
+        ConfigError: the data's size is not `config.dataset_size`; embedding noise with
+            `noise_rng` other than default, or on more than one rank
+            (`train.distributed.check_distributed`; one rank runs it as one process).
+        ValueError: embedding noise is configured with no table named.
     """
 
     def __init__(
@@ -148,11 +154,8 @@ class DPTrainer:
                 "noise is drawn by the default generator in this release; use "
                 "noise_rng=default, or drop EmbeddingConfig"
             )
-        if dist is not None and embedding is not None:
-            raise ValueError(
-                "embedding noise with torch.distributed is not supported yet: run the "
-                "embedding job in one process, or drop EmbeddingConfig"
-            )
+        if dist is not None:
+            check_distributed(embedding, dist.world)
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
