@@ -11,7 +11,9 @@ ours / ours-eager and ours / non-private. "ours" replays each chunk's recorded a
 (train.traced_grads, the default); "ours-eager" is the same trainer with
 `trace_after=None`, the torch.func path on every chunk (the A/B of the replay, same
 bits). The first chunk of each new Poisson batch size is recorded and checked against
-eager, so early rounds of "ours" carry that one-time cost (its round range shows it).
+eager, so early rounds of "ours" carry that one-time cost (its round range shows it);
+the new sizes each round met are printed, and ours / opacus over the rounds that met
+none (the steady state) beside the median over all rounds.
 
     python bench/dp_step.py [--hidden 256] [--batch 64] [--steps 50] [--rounds 7]
         [--threads 1] [--model both|mlp|digits] [--clock wall|cpu]
@@ -137,9 +139,12 @@ def compare(name: str, trainers: list[DPTrainer], steps: dict[str, Step], args: 
     trainer = trainers[0]
     times: dict[str, list[float]] = {k: [] for k in steps}
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    fresh: list[int] = []  # per round, the chunk sizes "ours" met for the first time
     for _ in range(args.rounds):
+        before = _sizes_seen(trainer)
         for k, step in steps.items():
             times[k].append(seconds_per_step(step, args.steps, clock=clock))
+        fresh.append(_sizes_seen(trainer) - before)
     med = {k: statistics.median(v) for k, v in times.items()}
     cols = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in med.items())
     print(f"{name} (dim {trainer.dim}): median ms/step ({args.clock} clock): {cols}")
@@ -153,6 +158,16 @@ def compare(name: str, trainers: list[DPTrainer], steps: dict[str, Step], args: 
                 f"  {ours} / {base}: median {statistics.median(ratios):.2f} "
                 f"(rounds {lo:.2f}-{hi:.2f})"
             )
+    print(f"  new chunk sizes per round (recorded and checked once each): {fresh}")
+    if "opacus" in times:
+        # the rounds that met no new size: the steady state the one-time checks leave
+        pairs_fresh = zip(times["ours"], times["opacus"], fresh, strict=True)
+        steady = [a / b for a, b, f in pairs_fresh if f == 0]
+        if steady:
+            print(
+                f"  ours / opacus in the {len(steady)} rounds with no new size: median "
+                f"{statistics.median(steady):.2f} (rounds {min(steady):.2f}-{max(steady):.2f})"
+            )
     if "opacus" not in steps:
         print("  opacus not installed (pip install opacus): its column is skipped")
     fns = [f for f in trainer.grads._chunk_fns.values() if isinstance(f, TracedChunk)]
@@ -163,6 +178,12 @@ def compare(name: str, trainers: list[DPTrainer], steps: dict[str, Step], args: 
         )
     for t in trainers:
         t.close()
+
+
+def _sizes_seen(trainer: DPTrainer) -> int:
+    """Chunk sizes the trainer's replay has checked or left eager so far."""
+    fns = [f for f in trainer.grads._chunk_fns.values() if isinstance(f, TracedChunk)]
+    return sum(len(f.checked) + len(f.eager_sizes) for f in fns)
 
 
 def main() -> None:

@@ -142,7 +142,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        # the C++ entry point, as OpOverload.__call__ calls it (one Python frame less)
+        out = func._op(*args, **kwargs)
         if self.refusal is not None:
             return out
         kind = _KINDS.get(func)
@@ -152,7 +153,10 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self.refusal = f"the model {kind.refusal}: {func}"
         elif kind.writes:
             self.refusal = self._writes_input(func, kind.writes, args, kwargs)
-        template = (self._template(args), {k: self._template(v) for k, v in kwargs.items()})
+        template = (
+            self._template(args),
+            {k: self._template(v) for k, v in kwargs.items()} if kwargs else {},
+        )
         if isinstance(out, torch.Tensor):
             flat: list[Any] = [out]
             spec = _LEAF
@@ -200,9 +204,9 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if t is list:
             return [self._template(v) for v in x]
         if t is tuple:
-            return tuple(self._template(v) for v in x)
+            return tuple([self._template(v) for v in x])
         if isinstance(x, torch.Tensor):
-            return self._ref(x)
+            return self._refs.get(id(x)) or self._ref(x)
         if t in _LEAVES:
             return x
         return tree_map(self._ref, x)
