@@ -49,6 +49,14 @@ def check_tables(
                 f"embedding table {spec.param!r} has max_norm={mod.max_norm}: it renormalises "
                 "rows in place during forward, which per-sample gradients cannot follow"
             )
+        if mod.padding_idx is not None:
+            # each example's weight is swapped for its own row at id 0 (module docstring),
+            # so the padding index would zero the wrong examples' gradients
+            raise UnsupportedModelError(
+                f"embedding table {spec.param!r} has padding_idx={mod.padding_idx}: its "
+                "per-sample row gradients would be wrong (every row is read at id 0 here); "
+                "drop padding_idx and zero the padding ids' rows in forward instead"
+            )
         if spec.data_index >= len(data) - 1:
             raise ValueError(
                 f"embedding table {spec.param!r}: data_index={spec.data_index} but there are "

@@ -1,14 +1,17 @@
 """`gather_rows` (one column gather and one zeroing per id tensor, not per table) gives
-what indexing each table on its own gives, and leaves the caller's tensors alone."""
+what indexing each table on its own gives, and leaves the caller's tensors alone; a table
+whose per-sample row gradients would be wrong (padding_idx) is refused."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cocoon_ckpt.embedding.config import TableSpec
-from cocoon_ckpt.embedding.sparse import gather_rows
+from cocoon_ckpt.embedding.sparse import check_tables, gather_rows
+from cocoon_ckpt.errors import UnsupportedModelError
 
 
 @settings(max_examples=25, deadline=None)
@@ -44,3 +47,12 @@ def test_gather_rows_is_per_table_indexing(
             if spec.data_index == d:
                 want[:, spec.column] = 0
         assert torch.equal(chunk[d], want)
+
+
+def test_a_table_with_padding_idx_is_refused() -> None:
+    # swapped in as a one-row weight read at id 0, the padding index would zero the
+    # gradient of every example (padding_idx=0) or of none
+    model = torch.nn.ModuleDict({"emb": torch.nn.Embedding(10, 4, padding_idx=0)})
+    data = [torch.tensor([[0], [3]]), torch.tensor([1.0, 0.0])]
+    with pytest.raises(UnsupportedModelError, match="padding_idx=0"):
+        check_tables(model, [TableSpec(param="emb.weight", data_index=0, column=0)], data)
