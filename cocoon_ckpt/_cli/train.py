@@ -270,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
 
         progress = Progress(config.dp.steps, config.checkpoint_every)
 
-    from cocoon_ckpt.train.runner import run_job
+    from cocoon_ckpt.train.runner import ResumeAllowances, run_job
 
     try:
         result = run_job(
@@ -280,8 +280,9 @@ def run(args: argparse.Namespace) -> int:
             builder=builder,
             key_file=args.key_file,
             takeover=args.takeover,
-            allow_fallback=args.allow_fallback,
-            allow_device_change=args.allow_device_change,
+            allow=ResumeAllowances(
+                fallback=args.allow_fallback, device_change=args.allow_device_change
+            ),
             on_step=None if progress is None else progress.on_step,
             on_precompute=None if progress is None else progress.on_precompute,
         )

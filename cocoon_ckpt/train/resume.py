@@ -20,6 +20,7 @@ from cocoon_ckpt.dp.mechanism import MechanismKind
 from cocoon_ckpt.errors import ConfigMismatchError, NoiseKeyError
 from cocoon_ckpt.keys import key_id
 from cocoon_ckpt.train import config as cfgmod
+from cocoon_ckpt.train.allowances import ResumeAllowances
 from cocoon_ckpt.train.build import build_trainer, model_shapes
 from cocoon_ckpt.train.codec import decode
 from cocoon_ckpt.train.config import JobConfig
@@ -47,12 +48,11 @@ def prepare_trainer(
     key: bytes,
     builder: Callable[..., JobParts] | None,
     dist: DistContext | None,
-    allow_generator_change: bool,
     resume: tuple[Store, Version] | None,
-    allow_device_change: bool = False,
+    allow: ResumeAllowances,
 ) -> DPTrainer:
     """The job's trainer; with `resume` = (store, version), checked against the version
-    and restored from it."""
+    and restored from it (`allow`: the checks the user lifted)."""
     plans = None
     blt = None
     if resume is not None:
@@ -66,8 +66,9 @@ def prepare_trainer(
         if resume is not None:
             store, latest = resume
             shapes = model_shapes(trainer)
-            check_records(store, latest, config.to_record(), shapes, key, allow_generator_change)
-            check_identity(store, latest, trainer, allow_device_change)
+            record = config.to_record()
+            check_records(store, latest, record, shapes, key, allow.generator_change)
+            check_identity(store, latest, trainer, allow.device_change)
             like = trainer.state_dict()
             check_blt(store, latest, trainer)
             if records_of(latest).get("mechanism") != like["mechanism"]:

@@ -17,6 +17,7 @@ from typing import Any
 
 from cocoon_ckpt.errors import ConfigMismatchError
 from cocoon_ckpt.keys import key_id
+from cocoon_ckpt.train.allowances import ResumeAllowances
 from cocoon_ckpt.train.build import build_trainer, model_shapes, threat_model
 from cocoon_ckpt.train.config import JobConfig
 from cocoon_ckpt.train.parts import JobParts
@@ -26,6 +27,7 @@ from cocoon_ckpt.train.trainer import DPTrainer, StepResult
 
 __all__ = [
     "ConfigMismatchError",
+    "ResumeAllowances",
     "RunResult",
     "build_trainer",
     "key_id",
@@ -56,6 +58,7 @@ def run_job(
     builder: Callable[..., JobParts] | None = None,
     key_file: str | None = None,
     takeover: bool = False,
+    allow: ResumeAllowances | None = None,
     allow_fallback: bool = False,
     allow_generator_change: bool = False,
     allow_device_change: bool = False,
@@ -73,6 +76,8 @@ def run_job(
         builder: the job builder (resolved from `config.job` by default).
         key_file: keep the noise key in this file (0600) instead of the store.
         takeover: take the writer lease even if its holder looks alive.
+        allow: the resume checks to lift (`ResumeAllowances`); the three flags below are
+            its keyword form, and what either allows is allowed.
         allow_fallback: resume from an older version if the newest is damaged.
         allow_generator_change: resume although the generator backend differs (I3 lost).
         allow_device_change: resume on another device type (same noise; I3 lost).
@@ -109,9 +114,11 @@ def run_job(
         storage_options=storage_options,
         key_file=key_file,
         takeover=takeover,
-        allow_fallback=allow_fallback,
-        allow_generator_change=allow_generator_change,
-        allow_device_change=allow_device_change,
+        allow=(allow or ResumeAllowances()).widened(
+            fallback=allow_fallback,
+            generator_change=allow_generator_change,
+            device_change=allow_device_change,
+        ),
         on_precompute=on_precompute,
         fs=fs,
     ) as job:

@@ -32,6 +32,7 @@ from torch import nn
 
 from cocoon_ckpt.dp import _validate as valid
 from cocoon_ckpt.records import JobRecords
+from cocoon_ckpt.train.allowances import ResumeAllowances
 from cocoon_ckpt.train.checkpoint import Checkpointer
 from cocoon_ckpt.train.config import JobConfig
 from cocoon_ckpt.train.data import Batch
@@ -61,6 +62,7 @@ def open_job(
     storage_options: dict[str, Any] | None = None,
     key_file: str | None = None,
     takeover: bool = False,
+    allow: ResumeAllowances | None = None,
     allow_fallback: bool = False,
     allow_generator_change: bool = False,
     allow_device_change: bool = False,
@@ -78,6 +80,8 @@ def open_job(
         storage_options: fsspec options for the URL.
         key_file: keep the noise key in this file (0600) instead of the store.
         takeover: take the writer lease even if its holder looks alive.
+        allow: the resume checks to lift (`ResumeAllowances`); the three flags below are
+            its keyword form, and what either allows is allowed.
         allow_fallback: resume from an older version if the newest is damaged.
         allow_generator_change: resume although the generator backend differs (I3 lost).
         allow_device_change: resume on another device type (same noise; I3 lost).
@@ -105,8 +109,13 @@ def open_job(
     keep their default handlers (the ranks would have to agree on a step to stop at).
     """
     valid.text("store_url", store_url)
+    allow = (allow or ResumeAllowances()).widened(
+        fallback=allow_fallback,
+        generator_change=allow_generator_change,
+        device_change=allow_device_change,
+    )
     config = calibrated_job(
-        config, store_url, storage_options=storage_options, fs=fs, allow_fallback=allow_fallback
+        config, store_url, storage_options=storage_options, fs=fs, allow_fallback=allow.fallback
     )
     builder = (lambda _config: parts) if isinstance(parts, JobParts) else parts
     dist = DistContext.from_env()
@@ -124,9 +133,7 @@ def open_job(
             storage_options=storage_options,
             key_file=key_file,
             takeover=takeover,
-            allow_fallback=allow_fallback,
-            allow_generator_change=allow_generator_change,
-            allow_device_change=allow_device_change,
+            allow=allow,
             fs=fs,
         )
         coordinator = dist is None or dist.is_coordinator
@@ -136,9 +143,7 @@ def open_job(
             # In a multi-process job every rank builds its trainer after rank 0's start
             # (a user's builder may hold collectives), then checks and restores it.
             resume = (store, latest) if latest is not None else None
-            trainer = prepare_trainer(
-                config, key, builder, dist, allow_generator_change, resume, allow_device_change
-            )
+            trainer = prepare_trainer(config, key, builder, dist, resume, allow)
         undo.callback(trainer.close)
         if latest is not None:
             log.info(

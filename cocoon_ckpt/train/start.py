@@ -16,6 +16,7 @@ from typing import Any
 
 from cocoon_ckpt.keys import load_key, new_key, read_key_file, save_key
 from cocoon_ckpt.layout import KEY_SECRET
+from cocoon_ckpt.train.allowances import ResumeAllowances
 from cocoon_ckpt.train.build import check_parts, job_parts
 from cocoon_ckpt.train.config import JobConfig
 from cocoon_ckpt.train.distributed import DistContext, check_distributed
@@ -46,14 +47,18 @@ def start_job(
     builder: Callable[..., JobParts] | None,
     key_file: str | None,
     takeover: bool,
-    allow_fallback: bool,
-    allow_generator_change: bool,
     dist: DistContext | None,
+    allow: ResumeAllowances | None = None,
+    allow_fallback: bool = False,
+    allow_generator_change: bool = False,
     allow_device_change: bool = False,
 ) -> tuple[Store, Version | None, bytes, DPTrainer | None]:
     """Check everything, then write for the first time: create the store, take the lease,
     keep a new job's key. Returns the store (lease held), the version to resume from, the
     key, and (single process) the trainer, built, checked and restored.
+
+    `allow` lifts resume checks; the `allow_*` flags are its keyword form (what either
+    allows is allowed: `ResumeAllowances.widened`).
 
     A writer that commits between the checks and the lease (possible with `takeover`)
     is caught: the checks run again, lease held, against its version.
@@ -63,6 +68,11 @@ def start_job(
             calibrates it: `train.target_epsilon.calibrated_job`), before anything opens.
     """
     _ = config.dp.sigma  # the noise multiplier that will run, given or calibrated
+    allow = (allow or ResumeAllowances()).widened(
+        fallback=allow_fallback,
+        generator_change=allow_generator_change,
+        device_change=allow_device_change,
+    )
     if dist is not None:
         # a single process's trainer is built and checked below; the ranks build theirs
         # after this start, so what they would refuse is refused here, before any write
@@ -71,16 +81,14 @@ def start_job(
     try:
         for _ in range(2):
             seen = store.versions() if store is not None else []
-            latest = store.latest(allow_fallback=allow_fallback) if store and seen else None
+            latest = store.latest(allow_fallback=allow.fallback) if store and seen else None
             resume = (store, latest) if store is not None and latest is not None else None
             key = _job_key(store, key_file, resuming=resume is not None)
             trainer = None
             if dist is None:
-                trainer = prepare_trainer(
-                    config, key, builder, None, allow_generator_change, resume, allow_device_change
-                )
+                trainer = prepare_trainer(config, key, builder, None, resume, allow)
             elif resume is not None:
-                check_records(*resume, config.to_record(), None, key, allow_generator_change)
+                check_records(*resume, config.to_record(), None, key, allow.generator_change)
             try:
                 if store is None:
                     store = Store.open(store_url, storage_options=storage_options, fs=fs)

@@ -1,0 +1,44 @@
+"""What a resume may accept that it refuses by default, as one value the start passes
+down (`open_job` -> `start_job` -> `prepare_trainer`), instead of one flag per call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from cocoon_ckpt.errors import ConfigError
+
+__all__ = ["ResumeAllowances"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ResumeAllowances:
+    """Refusals of a resume that the user lifts; each costs what its field says."""
+
+    fallback: bool = False
+    """Resume from an older version when the newest is damaged (the steps after the older
+    one run again)."""
+    generator_change: bool = False
+    """Resume although the fresh noise's generator backend differs from the store's (the
+    noise after the resume is another draw: I3, the bit-exact resume, is lost)."""
+    device_change: bool = False
+    """Resume on another device type than the store's (the same noise; the gradients'
+    last bits, so I3, are not)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if type(value) is not bool:
+                raise ConfigError(
+                    f"ResumeAllowances.{f.name}={value!r} is not a bool; pass True or False"
+                )
+
+    def widened(
+        self, *, fallback: bool = False, generator_change: bool = False, device_change: bool = False
+    ) -> ResumeAllowances:
+        """These allowances and the flags of `open_job`/`run_job`'s keyword form
+        (`allow_fallback=True`, ...): what either allows is allowed."""
+        return ResumeAllowances(
+            fallback=self.fallback or fallback,
+            generator_change=self.generator_change or generator_change,
+            device_change=self.device_change or device_change,
+        )
