@@ -3,7 +3,8 @@ a bad job (wrong optimizer, wrong dataset size on every rank or on one) is refus
 every rank with one exit code and one message before anything is written; a refusal of
 the coordinator's start reaches the other ranks as itself; a target epsilon is
 calibrated once, on rank 0, and every rank trains with its sigma, the single process's.
-The trainer refuses embedding noise on ranks with the start's own check."""
+The trainer refuses embedding noise on ranks with the start's own check; on one rank it
+trains as one process, bit for bit."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from cocoon_ckpt._cli.main import main
 from cocoon_ckpt.embedding.config import EmbeddingConfig
@@ -19,6 +21,7 @@ from cocoon_ckpt.errors import ConfigError, ConfigMismatchError
 from cocoon_ckpt.train.build import job_parts
 from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.rank_failure import packed, unpacked
+from cocoon_ckpt.train.stored import model_state
 from cocoon_ckpt.train.trainer import DPTrainer
 from state import CorruptVersionError, Store
 from tests.cocoon_ckpt.conftest import job_config
@@ -38,6 +41,25 @@ def counted(real):
 te.noise_multiplier_for = counted(te.noise_multiplier_for)
 te.blt_noise_multiplier = counted(te.blt_noise_multiplier)
 sys.exit(main(sys.argv[2:]))
+"""
+
+
+#: One embedding job run twice in a child: alone, then as rank 0 of a group of 1.
+_ONE_RANK = """
+import socket, sys
+import torch, torch.distributed as dist
+from cocoon_ckpt.embedding.config import EmbeddingConfig
+from cocoon_ckpt.train.runner import run_job
+from tests.cocoon_ckpt.conftest import job_config
+root = sys.argv[1]
+config = job_config("dlrm", bands=4, steps=10, embedding=EmbeddingConfig())
+torch.set_num_threads(1)
+run_job(config, root + "/one.zarr", key_file=root + "/k")
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+run_job(config, root + "/rank.zarr", key_file=root + "/k")
 """
 
 
@@ -175,3 +197,18 @@ def test_the_trainer_refuses_embedding_noise_on_ranks_as_the_start_does(world: i
             trainer()
         return
     trainer().close()  # one rank is one process: check_distributed lets it run
+
+
+@pytest.mark.slow
+def test_embedding_noise_on_one_rank_trains_as_one_process(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _ONE_RANK, str(tmp_path)], env=ENV, capture_output=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    one, rank = (
+        Store.open(str(tmp_path / n), create=False).latest() for n in ("one.zarr", "rank.zarr")
+    )
+    assert one is not None and rank is not None
+    want, got = model_state(one), model_state(rank)
+    assert want.keys() == got.keys()
+    assert all(torch.equal(torch.as_tensor(want[k]), torch.as_tensor(got[k])) for k in want)
