@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # the names as static tools see them
         UnsupportedModelError,
     )
     from cocoon_ckpt.tools.export import export_model
+    from cocoon_ckpt.train.allowances import ResumeAllowances
     from cocoon_ckpt.train.checkpoint import Checkpointer
     from cocoon_ckpt.train.config import DPConfig, JobConfig
     from cocoon_ckpt.train.parts import JobParts
@@ -57,6 +58,7 @@ _LAZY = {
     "MechanismKind": "dp.mechanism",
     "NoiseKeyError": "errors",
     "PrivacyBudgetError": "errors",
+    "ResumeAllowances": "train.allowances",
     "RunResult": "train.runner",
     "StateSchemaError": "errors",
     "StepResult": "train.trainer",
@@ -93,6 +95,7 @@ __all__ = [
     "MechanismKind",
     "NoiseKeyError",
     "PrivacyBudgetError",
+    "ResumeAllowances",
     "RunResult",
     "StateSchemaError",
     "StepResult",
