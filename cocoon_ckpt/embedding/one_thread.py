@@ -11,7 +11,9 @@ thread, in index order, whatever the thread count (tests/cocoon_ckpt/
 test_one_thread.py compares them).
 
 torch's thread count belongs to the calling thread (OpenMP), so other threads of the
-process keep theirs.
+process keep theirs. `fixed_threads(n)` is the same switch at any count: the trainer
+takes its gradients under a job's recorded count (`train.grad_threads`), because GEMMs
+are not thread-count invariant.
 """
 
 from __future__ import annotations
@@ -21,18 +23,32 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["one_thread"]
+__all__ = ["fixed_threads", "one_thread"]
+
+
+@contextmanager
+def fixed_threads(n: int) -> Iterator[None]:
+    """torch on `n` intra-op threads inside the block, the caller's count restored after
+    (nothing is switched when the count already is `n`, so that path costs nothing).
+
+    Raises:
+        ValueError: n < 1.
+    """
+    if n < 1:
+        raise ValueError(f"fixed_threads(n={n}): a thread count must be >= 1")
+    before = torch.get_num_threads()
+    if before == n:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @contextmanager
 def one_thread() -> Iterator[None]:
     """torch on one intra-op thread inside the block, the caller's count restored after."""
-    before = torch.get_num_threads()
-    if before == 1:
+    with fixed_threads(1):
         yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

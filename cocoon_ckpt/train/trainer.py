@@ -16,6 +16,7 @@ from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.dp.sampler import CyclicPoissonSampler
 from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.embedding.engine import TablePlan
+from cocoon_ckpt.embedding.one_thread import fixed_threads
 from cocoon_ckpt.embedding.tables import EmbeddingNoise
 from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.tiers.config import TierConfig
@@ -23,6 +24,7 @@ from cocoon_ckpt.train.config import DPConfig
 from cocoon_ckpt.train.data import Batch
 from cocoon_ckpt.train.device import batch_to, model_device
 from cocoon_ckpt.train.distributed import DistContext, check_distributed
+from cocoon_ckpt.train.grad_threads import resolve_grad_threads
 from cocoon_ckpt.train.grads import PerSampleGrads
 from cocoon_ckpt.train.identity import job_identity
 from cocoon_ckpt.train.job_data import JobData
@@ -98,7 +100,8 @@ class DPTrainer:
         ConfigError: the data's size is not `config.dataset_size`; embedding noise with
             `noise_rng` other than default, or on more than one rank
             (`train.distributed.check_distributed`; one rank runs it as one process).
-        ValueError: embedding noise is configured with no table named.
+        ValueError: embedding noise is configured with no table named, or
+            `grad_threads` is not an int >= 1.
     """
 
     def __init__(
@@ -122,7 +125,11 @@ class DPTrainer:
         num_workers: int = 0,
         pin_memory: bool | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        grad_threads: int | None = None,
     ) -> None:
+        # asked for (None: any) and in force; a resume sets the stored count (train.resume)
+        self.requested_grad_threads = grad_threads
+        self.grad_threads = resolve_grad_threads(grad_threads)
         model = uncompiled(model)  # plain names; JobParts says why it trains the original
         tables = tuple(embedding.tables) if embedding is not None else ()
         if embedding is not None and not tables:
@@ -236,9 +243,11 @@ class DPTrainer:
         return self._clipped(self.data.gather(idx))
 
     def _clipped(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, float]:
-        r = self.grads.clipped_sum(
-            tensors, self.config.max_grad_norm, self.config.physical_batch_size
-        )
+        # forward, per-sample GEMMs, norms and sums (eager or replayed) at the job's count
+        with fixed_threads(self.grad_threads):
+            r = self.grads.clipped_sum(
+                tensors, self.config.max_grad_norm, self.config.physical_batch_size
+            )
         self._table_grads = list(r.table_grads)
         return r.summed, r.loss
 
@@ -293,7 +302,8 @@ class DPTrainer:
         self._noisy.set(summed, w)
         if self.embedding is not None:
             self.embedding.set_grads(self._table_grads)
-        self.optimizer.step()
+        with fixed_threads(self.grad_threads):  # a user's optimizer may reduce (norms)
+            self.optimizer.step()
         if self.embedding is not None:
             # a dense table's gradient is table-sized and fresh each step: free it now
             self.optimizer.zero_grad(set_to_none=True)
