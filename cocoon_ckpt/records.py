@@ -367,6 +367,9 @@ class JobRecords(TypedDict):
     """The job's last step is in this version (a hint only: export re-derives it)."""
     metrics: NotRequired[MetricsRecord]
     """Absent from stores written before metrics were stored."""
+    grad_threads: NotRequired[int]
+    """torch intra-op threads the job's gradients run at (`train.grad_threads`; not in
+    the fingerprint). Absent from stores written before it: a resume keeps its count."""
 
 
 class VersionRecords(SnapshotRecords, JobRecords):

@@ -1,6 +1,6 @@
 """The records a job adds to every version (config, fingerprint, model shapes, key id,
-key location, threat model, completeness), built in one place and required of every
-write.
+key location, threat model, completeness, gradient thread count), built in one place and
+required of every write.
 
 A version without them is half-readable: `export` cannot decide "finished", `inspect`
 shows no job, a resume cannot check the config or the key. So a writer either carries
@@ -45,6 +45,8 @@ def job_records(
         "key_location": key_location(key_file),
         "threat_model": threat_model(config),
         "complete": False,
+        # a resume restores it (train.grad_threads); not fingerprinted, so not refused
+        "grad_threads": trainer.grad_threads,
     }
 
 

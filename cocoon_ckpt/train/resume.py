@@ -1,5 +1,5 @@
 """Resume checks: a version's records against this job (config, model shapes, key,
-generator backend, mechanism), then the trainer restored from it.
+generator backend, mechanism, gradient thread count), then the trainer restored from it.
 
 A BLT is never fitted again on resume: the trainer is built from the parameters the
 version holds (a fit elsewhere may differ in the last bits, and the noise with it), and
@@ -25,6 +25,7 @@ from cocoon_ckpt.train.build import build_trainer, model_shapes
 from cocoon_ckpt.train.codec import decode
 from cocoon_ckpt.train.config import JobConfig
 from cocoon_ckpt.train.distributed import DistContext
+from cocoon_ckpt.train.grad_threads import resumed_grad_threads
 from cocoon_ckpt.train.identity import identity_differences
 from cocoon_ckpt.train.mechanisms import blt_sensitivity
 from cocoon_ckpt.train.parts import JobParts
@@ -39,6 +40,7 @@ __all__ = [
     "check_records",
     "malformed_version",
     "prepare_trainer",
+    "restore_grad_threads",
     "stored_blt",
 ]
 
@@ -69,6 +71,7 @@ def prepare_trainer(
             record = config.to_record()
             check_records(store, latest, record, shapes, key, allow.generator_change)
             check_identity(store, latest, trainer, allow.device_change)
+            restore_grad_threads(store, latest, trainer)
             like = trainer.state_dict()
             check_blt(store, latest, trainer)
             if records_of(latest).get("mechanism") != like["mechanism"]:
@@ -129,6 +132,27 @@ def check_blt(store: Store, latest: Version, trainer: DPTrainer) -> None:
             "agree, or start a new store",
             ["mechanism.buf_decay", "mechanism.output_scale"],
         )
+
+
+def restore_grad_threads(store: Store, latest: Version, trainer: DPTrainer) -> None:
+    """Run the trainer's gradients at the thread count the version records (none
+    recorded: the count it was built with, recorded from now on).
+
+    Raises:
+        ConfigMismatchError: the trainer was asked for another count explicitly.
+        CorruptVersionError: the record is not a thread count.
+    """
+    where = f"{store.url} (version {latest.version})"
+    try:
+        stored = resumed_grad_threads(
+            records_of(latest).get("grad_threads"), trainer.requested_grad_threads, where
+        )
+    except ConfigMismatchError:
+        raise
+    except ValueError as exc:
+        raise malformed_version(store, latest, exc) from None
+    if stored is not None:
+        trainer.grad_threads = stored
 
 
 def check_identity(

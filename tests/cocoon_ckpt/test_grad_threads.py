@@ -1,0 +1,182 @@
+"""A job's gradients run at its recorded torch thread count, so a resume on another
+machine size (or with OMP_NUM_THREADS set) stays bit-identical (`train.grad_threads`)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from cocoon_ckpt import ConfigMismatchError, DPConfig, DPTrainer, JobConfig, run_job
+from cocoon_ckpt.embedding.one_thread import fixed_threads
+from cocoon_ckpt.train import build, session
+from cocoon_ckpt.train import job_records as job_records_mod
+from cocoon_ckpt.train.job_records import REQUIRED, job_records
+from cocoon_ckpt.train.runner import build_trainer
+from cocoon_ckpt.train.stored import model_state, records_of
+from state import Store
+
+KEY = bytes(32)
+
+# Poisson batches of expected size 8: most steps draw 5-11 examples, the sizes at which
+# the MLP's per-sample GEMMs give other bits on 1 and 2 threads (checked below)
+CFG = JobConfig(
+    job="example:mlp",
+    dp=DPConfig(steps=12, batch_size=8, dataset_size=512, noise_multiplier=1.0, bands=4, seed=0),
+    checkpoint_every=5,
+)
+
+RESUME = """
+import json, sys, torch
+torch.set_num_threads(1)
+from cocoon_ckpt import JobConfig, run_job
+cfg = JobConfig.from_record(json.loads(sys.argv[1]))
+run_job(cfg, sys.argv[2], key_file=sys.argv[3])
+print(torch.get_num_threads())
+"""
+
+
+def _params(url: str) -> dict[str, torch.Tensor]:
+    latest = Store.open(url, create=False).latest()
+    assert latest is not None and latest.step == CFG.dp.steps
+    return model_state(latest)
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _gold(tmp_path: Path) -> tuple[str, dict[str, torch.Tensor]]:
+    key = str(tmp_path / "k")
+    with fixed_threads(2):
+        run_job(CFG, str(tmp_path / "gold.zarr"), key_file=key)
+    return key, _params(str(tmp_path / "gold.zarr"))
+
+
+def test_one_and_two_threads_give_other_gradient_bits() -> None:
+    """The premise: unpinned, the thread count changes a 7-example clipped sum; the
+    trainer's pinned path gives its count's bits on a process at another count."""
+    tr = build_trainer(CFG, KEY)
+    batch = tr.data.gather(torch.arange(7))
+    sums = {}
+    for n in (1, 2):
+        with fixed_threads(n):
+            sums[n] = tr.grads.clipped_sum(batch, CFG.dp.max_grad_norm).summed
+    assert not torch.equal(sums[1], sums[2])
+    for pinned, other in ((1, 2), (2, 1)):
+        tr.grad_threads = pinned
+        with fixed_threads(other):
+            got, _ = tr.clipped_sum(torch.arange(7))
+            assert torch.get_num_threads() == other  # restored after the gradients
+        assert torch.equal(got, sums[pinned])
+    tr.close()
+
+
+def test_resume_on_one_thread_in_a_fresh_process_is_bit_identical(tmp_path: Path) -> None:
+    key, gold = _gold(tmp_path)
+    url = str(tmp_path / "run.zarr")
+    with fixed_threads(2):
+        run_job(CFG, url, key_file=key, stop_after=7)  # newest version: step 5
+    assert records_of(Store.open(url, create=False).latest())["grad_threads"] == 2  # type: ignore[arg-type]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", RESUME, json.dumps(CFG.to_record()), url, key],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert out.stdout.split()[-1] == "1"  # the process's own count is left as it was
+    assert _same(_params(url), gold)
+
+
+def test_old_store_resumes_at_the_current_count_and_records_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A store written before the record resumes at this process's count, as before it
+    existed: on one thread its parameters leave the 2-thread run's, which is what the
+    record prevents. Later versions record the count."""
+    key, gold = _gold(tmp_path)
+    url = str(tmp_path / "old.zarr")
+
+    def without_record(*args: Any) -> Any:
+        rec = dict(job_records(*args))
+        del rec["grad_threads"]
+        return rec
+
+    with monkeypatch.context() as m, fixed_threads(2):
+        m.setattr(session, "job_records", without_record)
+        m.setattr(job_records_mod, "REQUIRED", tuple(set(REQUIRED) - {"grad_threads"}))
+        run_job(CFG, url, key_file=key, stop_after=7)
+    assert "grad_threads" not in records_of(Store.open(url, create=False).latest())  # type: ignore[arg-type]
+    caplog.set_level(logging.INFO, "cocoon_ckpt.train.grad_threads")
+    with fixed_threads(1):
+        run_job(CFG, url, key_file=key)
+    assert not caplog.records  # nothing restored, nothing to say
+    assert not _same(_params(url), gold)
+    store = Store.open(url, create=False)
+    assert records_of(store.latest())["grad_threads"] == 1  # type: ignore[arg-type]
+
+
+def test_resume_logs_the_restored_count_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    key, gold = _gold(tmp_path)
+    url = str(tmp_path / "run.zarr")
+    with fixed_threads(2):
+        run_job(CFG, url, key_file=key, stop_after=7)
+    caplog.set_level(logging.INFO, "cocoon_ckpt.train.grad_threads")
+    with fixed_threads(1):
+        run_job(CFG, url, key_file=key)
+        assert torch.get_num_threads() == 1
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "recorded 2 torch threads" in said[0]
+    assert _same(_params(url), gold)
+
+
+def test_another_explicit_count_on_resume_is_refused_and_nothing_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key = str(tmp_path / "k")
+    url = str(tmp_path / "run.zarr")
+    with fixed_threads(2):
+        run_job(CFG, url, key_file=key, stop_after=7)
+    before = Store.open(url, create=False).versions()
+    monkeypatch.setattr(build, "DPTrainer", functools.partial(DPTrainer, grad_threads=1))
+    with pytest.raises(ConfigMismatchError, match=r"grad_threads=2.*grad_threads=1") as err:
+        run_job(CFG, url, key_file=key)
+    assert err.value.differences == ["grad_threads: stored 2, now 1"]
+    assert Store.open(url, create=False).versions() == before
+    # the stored count asked for explicitly is accepted
+    monkeypatch.setattr(build, "DPTrainer", functools.partial(DPTrainer, grad_threads=2))
+    run_job(CFG, url, key_file=key)
+    assert Store.open(url, create=False).latest().step == CFG.dp.steps  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5])
+def test_a_bad_count_is_refused(bad: Any) -> None:
+    with pytest.raises(ValueError, match="grad_threads="):
+        build_trainer_with(bad)
+
+
+def build_trainer_with(grad_threads: Any) -> None:
+    model = torch.nn.Linear(2, 1)
+    data = [torch.zeros(512, 2), torch.zeros(512, 1)]
+    DPTrainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.nn.functional.mse_loss,
+        data,
+        CFG.dp,
+        KEY,
+        grad_threads=grad_threads,
+    )
