@@ -103,6 +103,8 @@ def _inspect_lines(out: dict[str, Any]) -> list[str]:
             f"m={job['dim']}, key in {job['key_location']}"
         )
         lines.append(f"threat model {job['threat_model']}: {job['threat_model_means']}")
+        if job.get("grad_threads") is not None:
+            lines.append(f"gradients on {job['grad_threads']} torch threads (kept on resume)")
     lines.append(
         f"{'version':>7} {'step':>6} {'written':>10} {'total':>10} {'epsilon':>9}  kinds written"
     )

@@ -186,6 +186,8 @@ def inspect_store(
             "accountant": dp.get("accountant", "pld"),
             "dim": rec.get("noise", {}).get("dim"),
             "key_location": rec.get("key_location"),
+            # None: written before the record (a resume runs at its own count)
+            "grad_threads": rec.get("grad_threads"),
             "threat_model": rec.get("threat_model", THREAT_MODEL_DEFAULT),
             "threat_model_means": THREAT_MODELS.get(
                 rec.get("threat_model", THREAT_MODEL_DEFAULT), "unknown threat model"
