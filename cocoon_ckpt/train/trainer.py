@@ -95,6 +95,8 @@ class DPTrainer:
         stateful: other state checkpointed with the trainer's, by name (EMA, counters).
         num_workers, pin_memory, collate_fn: passed to the DataLoader of `loader()`;
             pin_memory None pins batches when the model is on a CUDA device.
+        grad_threads: torch intra-op threads of the per-sample gradients, clipping and
+            optimizer step (`train.grad_threads`); None: torch's count when built.
 
     Raises:
         ConfigError: the data's size is not `config.dataset_size`; embedding noise with
