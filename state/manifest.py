@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .canonical_json import canonical_text
 from .errors import CorruptVersionError, FormatVersionError, UnsafePathError
 from .paths import manifest_path, unsafe_path_reason
 
@@ -234,7 +235,7 @@ def _seal(body: Mapping[str, Any]) -> bytes:
     doc: dict[str, Any] = json.loads(json.dumps(body))
     doc["record_checksums"] = {k: _sha256(v) for k, v in doc["records"].items()}
     doc["header_checksum"] = _sha256(_header(doc))
-    return json.dumps(doc, sort_keys=True, indent=1).encode()
+    return canonical_text(doc).encode()
 
 
 def _verify_checksums(
