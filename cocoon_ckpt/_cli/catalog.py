@@ -104,7 +104,8 @@ def _inspect_lines(out: dict[str, Any]) -> list[str]:
         )
         lines.append(f"threat model {job['threat_model']}: {job['threat_model_means']}")
         if job.get("grad_threads") is not None:
-            lines.append(f"gradients on {job['grad_threads']} torch threads (kept on resume)")
+            n = job["grad_threads"]
+            lines.append(f"gradients on {n} torch thread{'' if n == 1 else 's'} (kept on resume)")
     lines.append(
         f"{'version':>7} {'step':>6} {'written':>10} {'total':>10} {'epsilon':>9}  kinds written"
     )

@@ -188,6 +188,14 @@ def add_parser(sub: Subparsers) -> None:
         "taken (bit-identical either way; may change on resume)",
     )
     p.add_argument(
+        "--grad-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch threads for the per-sample gradients (default: torch's count when a "
+        "new job starts; a resume keeps the job's recorded count, on any machine)",
+    )
+    p.add_argument(
         "--sync-checkpoints",
         action="store_true",
         help="write checkpoints in the foreground (default: background thread)",

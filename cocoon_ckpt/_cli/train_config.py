@@ -176,6 +176,8 @@ def _harmless(args: argparse.Namespace) -> dict[str, Any]:
         out["async_checkpoint"] = False
     if args.overlap_noise:
         out["overlap_noise"] = True
+    if args.grad_threads is not None:
+        out["grad_threads"] = args.grad_threads
     if args.lease_expiry is not None:
         out["lease_expiry_s"] = args.lease_expiry
     return out

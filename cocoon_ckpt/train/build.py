@@ -69,6 +69,7 @@ def build_trainer(
         table_plans=table_plans,
         dist=dist,
         overlap_noise=config.overlap_noise,
+        grad_threads=config.grad_threads,
         scheduler=parts.scheduler,
         stateful=parts.stateful,
         num_workers=parts.num_workers,

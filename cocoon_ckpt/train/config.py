@@ -265,6 +265,11 @@ class JobConfig:
     overlap_noise: bool = False
     """Compute w_t in a worker thread while the per-sample gradients are taken (harmless:
     bit-identical either way)."""
+    grad_threads: int | None = None
+    """torch intra-op threads the per-sample gradients, clipping and optimizer step run
+    at (`train.grad_threads`); None: torch's count when a new job starts. The count is
+    recorded in every version and a resume runs at it on any machine (another explicit
+    count is refused there), so it is not part of the fingerprint."""
     embedding: EmbeddingConfig | None = None
     """Noise for sparse embedding tables (`cocoon_ckpt.embedding`); None: every
     parameter, tables included, gets the dense mechanism over one flat vector."""
@@ -290,6 +295,8 @@ class JobConfig:
         valid.integer("JobConfig.keep_last", self.keep_last, 2, valid.MAX_COUNT)
         valid.boolean("JobConfig.async_checkpoint", self.async_checkpoint)
         valid.boolean("JobConfig.overlap_noise", self.overlap_noise)
+        if self.grad_threads is not None:
+            valid.integer("JobConfig.grad_threads", self.grad_threads, 1, 4096)
         valid.positive_real("JobConfig.lease_expiry_s", self.lease_expiry_s)
         valid.check(
             self.lease_expiry_s <= 86400,

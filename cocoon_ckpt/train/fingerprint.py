@@ -21,7 +21,9 @@ __all__ = [
     "fingerprint",
 ]
 
-#: Fields a resume may change: they affect neither the noise nor the parameters.
+#: Fields a resume may change: they affect neither the noise nor the parameters
+#: (`grad_threads` would, but a resume runs at the count its record holds and refuses
+#: another explicit one: `train.grad_threads`).
 HARMLESS_FIELDS = frozenset(
     {
         "checkpoint_every",
@@ -30,6 +32,7 @@ HARMLESS_FIELDS = frozenset(
         "log_level",
         "tile_rows",
         "overlap_noise",
+        "grad_threads",
         "lease_expiry_s",
     }
 )

@@ -22,8 +22,12 @@ from cocoon_ckpt.train.trainer import DPTrainer
 
 __all__ = ["REQUIRED", "IncompleteRecordsError", "check_job_records", "job_records"]
 
-#: Every record a version of a job must carry, besides the trainer's own state.
-REQUIRED: tuple[str, ...] = tuple(sorted(JobRecords.__required_keys__))
+#: Every record a version of a job must carry, besides the trainer's own state: the
+#: keys of `JobRecords` not marked NotRequired. Named here because `records` is written
+#: with postponed annotations, under which Python 3.11's TypedDict counts every key,
+#: NotRequired ones included, in `__required_keys__`.
+_OPTIONAL = frozenset({"metrics", "grad_threads"})
+REQUIRED: tuple[str, ...] = tuple(sorted(set(JobRecords.__annotations__) - _OPTIONAL))
 
 
 class IncompleteRecordsError(CocoonError, ValueError):

@@ -3,7 +3,7 @@ machine size (or with OMP_NUM_THREADS set) stays bit-identical (`train.grad_thre
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import json
 import logging
 import os
@@ -17,8 +17,8 @@ import torch
 
 from cocoon_ckpt import ConfigMismatchError, DPConfig, DPTrainer, JobConfig, run_job
 from cocoon_ckpt.embedding.one_thread import fixed_threads
-from cocoon_ckpt.train import build, session
 from cocoon_ckpt.train import job_records as job_records_mod
+from cocoon_ckpt.train import session
 from cocoon_ckpt.train.job_records import REQUIRED, job_records
 from cocoon_ckpt.train.runner import build_trainer
 from cocoon_ckpt.train.stored import model_state, records_of
@@ -144,21 +144,20 @@ def test_resume_logs_the_restored_count_once(
 
 
 def test_another_explicit_count_on_resume_is_refused_and_nothing_written(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     key = str(tmp_path / "k")
     url = str(tmp_path / "run.zarr")
     with fixed_threads(2):
         run_job(CFG, url, key_file=key, stop_after=7)
     before = Store.open(url, create=False).versions()
-    monkeypatch.setattr(build, "DPTrainer", functools.partial(DPTrainer, grad_threads=1))
     with pytest.raises(ConfigMismatchError, match=r"grad_threads=2.*grad_threads=1") as err:
-        run_job(CFG, url, key_file=key)
+        run_job(dataclasses.replace(CFG, grad_threads=1), url, key_file=key)
     assert err.value.differences == ["grad_threads: stored 2, now 1"]
     assert Store.open(url, create=False).versions() == before
-    # the stored count asked for explicitly is accepted
-    monkeypatch.setattr(build, "DPTrainer", functools.partial(DPTrainer, grad_threads=2))
-    run_job(CFG, url, key_file=key)
+    # the stored count asked for explicitly (JobConfig.grad_threads, --grad-threads) is
+    # accepted, and it is not part of the fingerprint
+    run_job(dataclasses.replace(CFG, grad_threads=2), url, key_file=key)
     assert Store.open(url, create=False).latest().step == CFG.dp.steps  # type: ignore[union-attr]
 
 
@@ -180,3 +179,35 @@ def build_trainer_with(grad_threads: Any) -> None:
         KEY,
         grad_threads=grad_threads,
     )
+
+
+def test_the_cli_records_its_count_and_refuses_a_bad_one(tmp_path: Path) -> None:
+    store, key = tmp_path / "cli.zarr", tmp_path / "k"
+    base = [
+        sys.executable,
+        "-m",
+        "cocoon_ckpt",
+        "train",
+        "--example",
+        "mlp",
+        "--steps",
+        "4",
+        "--bands",
+        "2",
+    ]
+    base += ["--checkpoint-every", "4", "--no-progress", "--key-file", str(key)]
+    bad = subprocess.run(
+        [*base, "--store", str(store), "--grad-threads", "0"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "grad_threads" in bad.stderr and bad.stderr.count("\n") == 1
+    assert not store.exists() and not key.exists()
+    ok = subprocess.run(
+        [*base, "--store", str(store), "--grad-threads", "1"], capture_output=True, text=True
+    )
+    assert ok.returncode == 0, ok.stderr
+    latest = Store.open(str(store), create=False).latest()
+    assert latest is not None and records_of(latest)["grad_threads"] == 1
+    shown = subprocess.run(
+        [sys.executable, "-m", "cocoon_ckpt", "inspect", str(store)], capture_output=True, text=True
+    )
+    assert "gradients on 1 torch thread (kept on resume)" in shown.stdout
