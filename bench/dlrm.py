@@ -45,10 +45,11 @@ baseline's; with --fresh-floor also the time to draw the precompute's fresh nois
 (the same Gaussians as n dense steps draw for the cold rows, so a floor no tiling or
 thread count goes below, and the end-to-end ratio a precompute costing only that would
 give). With --one-thread-grads also a sixth engine, `coal-1thr`: the coalesced trainer
-(sharing its CSC) with its per-sample gradients and clipping on one torch thread, timed
-in the same rounds: a what-if, not a mode of the library, because MKL's GEMMs give other
-bits on one thread than on two at small row counts (chunks of 4-35 examples, float64
-also 511), so the switch would change a job's parameters. Then b = 1: lazy DP-SGD noise (one Gaussian per gap, drawn when a row is
+(sharing its CSC) with `grad_threads=1` (`--grad-threads 1`: its per-sample gradients,
+clipping and optimizer step on one torch thread), timed in the same rounds. A job
+chooses that when it starts: MKL's GEMMs give other bits on one thread than on two at
+small row counts (chunks of 4-35 examples, float64 also 511), so the parameters differ
+from a 2-thread job's, and the count is recorded and kept on resume. Then b = 1: lazy DP-SGD noise (one Gaussian per gap, drawn when a row is
 read) against dense DP-SGD noise over the whole tables, on --lazy-scale tables.
 """
 
@@ -65,7 +66,6 @@ from _dlrm_blas import BlasRing, TorchMvRing, use_ring
 
 from cocoon_ckpt import DPConfig, DPTrainer
 from cocoon_ckpt.embedding import EmbeddingConfig, TableMode, TableSpec, precompute_csc
-from cocoon_ckpt.embedding.one_thread import one_thread
 from cocoon_ckpt.examples.dlrm import DLRM, make_data, table_rows
 from cocoon_ckpt.tiers import GemvMode, TierConfig
 from cocoon_ckpt.tiers.device import default_device
@@ -211,18 +211,13 @@ def make_engine(name: str, args: argparse.Namespace, b: int, rows: list[int], da
 
 def one_thread_grads(tr: DPTrainer, cscs: list[Any]) -> None:
     """Take the coalesced engine's CSCs (the same job: the same entries) and run this
-    trainer's per-sample gradients and clipping on one torch thread (the what-if)."""
+    trainer's per-sample gradients, clipping and optimizer step on one torch thread, as
+    a job built with `grad_threads=1` does."""
     assert tr.embedding is not None
     for e, csc in zip(tr.embedding.engines, cscs, strict=True):
         if csc is not None:
             e.set_csc(csc)
-    clipped = tr.grads.clipped_sum
-
-    def on_one_thread(*a: Any, **k: Any) -> Any:
-        with one_thread():
-            return clipped(*a, **k)
-
-    tr.grads.clipped_sum = on_one_thread  # type: ignore[method-assign]
+    tr.grad_threads = 1
 
 
 def fresh_floor(tr: DPTrainer) -> float:
@@ -303,7 +298,7 @@ def main() -> None:
     ap.add_argument(
         "--one-thread-grads",
         action="store_true",
-        help="also time the coalesced trainer with its per-sample gradients on one thread",
+        help="also time the coalesced trainer with grad_threads=1 (gradients on one thread)",
     )
     ap.add_argument("--lazy-scale", type=float, default=0.1)
     ap.add_argument("--lazy-batch", type=int, default=256)
@@ -353,7 +348,7 @@ def main() -> None:
             )
         if "coal-1thr" in res:
             h3.append(
-                f"b={b}: coalesced with one-thread gradients (not the same bits) "
+                f"b={b}: coalesced at grad_threads=1 (a job setting; other bits than 2 threads) "
                 f"{res['coal-1thr'] * 1e3:.1f} ms: {base / res['coal-1thr']:.2f}x the fastest "
                 f"baseline, {res['coalesced'] / res['coal-1thr']:.2f}x the coalesced step"
             )
