@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from cocoon_ckpt._state_dict import uncompiled
+from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.embedding.engine import TablePlan
 from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.layout import THREAT_MODEL_DEFAULT
@@ -19,6 +21,7 @@ from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.identity import check_config_optimizer
 from cocoon_ckpt.train.job_data import JobData
 from cocoon_ckpt.train.mechanisms import Mechanism, build_mechanism, mechanism_from_state
+from cocoon_ckpt.train.model_checks import check_model
 from cocoon_ckpt.train.parts import JobParts, resolve
 from cocoon_ckpt.train.trainer import DPTrainer
 
@@ -53,9 +56,6 @@ def build_trainer(
     check_config_optimizer(parts.optimizer, config.optimizer, config.lr, parts.scheduler)
     if dist is not None:
         mechanism = rank0_mechanism(config, dist, mechanism)
-    emb = config.embedding
-    if emb is not None and not emb.tables:
-        emb = dataclasses.replace(emb, tables=tuple(parts.tables))
     return DPTrainer(
         parts.model,
         parts.optimizer,
@@ -65,7 +65,7 @@ def build_trainer(
         key,
         mechanism=mechanism,
         tiers=config.tiers,
-        embedding=emb,
+        embedding=_embedding(config, parts),
         table_plans=table_plans,
         dist=dist,
         overlap_noise=config.overlap_noise,
@@ -106,14 +106,32 @@ def check_parts(config: JobConfig, parts: JobParts) -> None:
     """The refusals of the job's parts that need no key: what `build_trainer` would
     refuse, so a multi-process start refuses it on every rank before anything is written.
 
+    The mechanism checks (`mechanisms.check_mechanism`) are not run: a mechanism built
+    from a valid config passes them (JobConfig refuses a BLT with embedding tables), and
+    a resume's stored one is checked when each rank builds its trainer, a refusal agreed
+    across ranks (`start.trainer_on_ranks`).
+
     Raises:
         ConfigError: the optimizer is not the one `config.optimizer`/`lr` name, the
-            dataset's size is not `config.dp.dataset_size`, or embedding noise is given
-            data other than tensors.
+            dataset's size is not `config.dp.dataset_size`, embedding noise is given
+            data other than tensors or a `noise_rng` other than default, or the model's
+            trainable parameters lie on several devices.
+        UnsupportedModelError: a BatchNorm in training mode, or trainable parameters
+            not float32/float64.
+        ValueError: embedding noise with no table named; a table is not a parameter.
     """
     check_config_optimizer(parts.optimizer, config.optimizer, config.lr, parts.scheduler)
-    # the trainer's own data checks, run on the data without the trainer
+    # the trainer's own data and model checks, run without the trainer
     JobData(_dataset(config, parts), config.dp.dataset_size, needs_tensors=bool(config.embedding))
+    check_model(uncompiled(parts.model), parts.loss_fn, config.dp, _embedding(config, parts))
+
+
+def _embedding(config: JobConfig, parts: JobParts) -> EmbeddingConfig | None:
+    """The job's embedding config, naming the tables the job declares where it names none."""
+    emb = config.embedding
+    if emb is not None and not emb.tables:
+        emb = dataclasses.replace(emb, tables=tuple(parts.tables))
+    return emb
 
 
 def _dataset(config: JobConfig, parts: JobParts) -> Dataset[Any] | Sequence[torch.Tensor]:

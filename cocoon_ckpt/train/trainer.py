@@ -11,14 +11,13 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from cocoon_ckpt._state_dict import uncompiled
-from cocoon_ckpt.dp.generator import NoiseRng, as_noise_rng, generator_backend
+from cocoon_ckpt.dp.generator import as_noise_rng, generator_backend
 from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.dp.sampler import CyclicPoissonSampler
 from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.embedding.engine import TablePlan
 from cocoon_ckpt.embedding.one_thread import fixed_threads
 from cocoon_ckpt.embedding.tables import EmbeddingNoise
-from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.tiers.config import TierConfig
 from cocoon_ckpt.train.config import DPConfig
 from cocoon_ckpt.train.data import Batch
@@ -35,6 +34,7 @@ from cocoon_ckpt.train.mechanisms import (
     build_noise,
     check_mechanism,
 )
+from cocoon_ckpt.train.model_checks import check_noise_rng, dense_param_names, table_specs
 from cocoon_ckpt.train.noisy_grads import NoisyGradients
 from cocoon_ckpt.train.step_result import StepResult
 from cocoon_ckpt.train.table_noise import table_noise
@@ -133,16 +133,8 @@ class DPTrainer:
         self.requested_grad_threads = grad_threads
         self.grad_threads = resolve_grad_threads(grad_threads)
         model = uncompiled(model)  # plain names; JobParts says why it trains the original
-        tables = tuple(embedding.tables) if embedding is not None else ()
-        if embedding is not None and not tables:
-            raise ValueError(
-                "embedding noise is configured but no table is named: list them in "
-                "EmbeddingConfig.tables, or declare them in the job (JobParts.tables)"
-            )
-        names = {s.param for s in tables}
-        self.param_names = [
-            k for k, p in model.named_parameters() if p.requires_grad and k not in names
-        ]
+        tables = table_specs(embedding)
+        self.param_names = dense_param_names(model, tables)
         self.grads = PerSampleGrads(model, loss_fn, self.param_names, tables=tables)
         self.device = model_device(model, self.param_names)
         if pin_memory is None:
@@ -157,12 +149,7 @@ class DPTrainer:
         )
         self.dataset = self.data.dataset
         self.noise_rng = as_noise_rng(config.noise_rng)
-        if embedding is not None and self.noise_rng is not NoiseRng.DEFAULT:
-            raise ConfigError(
-                f"DPConfig.noise_rng={self.noise_rng.value} with embedding tables: their "
-                "noise is drawn by the default generator in this release; use "
-                "noise_rng=default, or drop EmbeddingConfig"
-            )
+        check_noise_rng(embedding, self.noise_rng)
         if dist is not None:
             check_distributed(embedding, dist.world)
         self.model = model

@@ -103,20 +103,27 @@ def _ranks(world: int, argv: list[str], counts: Path | None = None) -> list[tupl
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("fault", "extra", "says"),
+    ("fault", "extra", "code", "says"),
     [
-        ("optimizer", (), "the job's optimizer is Adam"),
+        ("optimizer", (), 2, "the job's optimizer is Adam"),
         # one rank's parts alone are wrong: the coordinator, whose are right, stops too
-        ("dataset", ("--job-option", "fault_rank=1"), "but the dataset holds len(dataset)=511"),
+        (
+            "dataset",
+            ("--job-option", "fault_rank=1"),
+            2,
+            "but the dataset holds len(dataset)=511",
+        ),
+        # a model the trainer refuses when built: refused before the coordinator writes
+        ("half", (), 1, "trainable parameters must be float32/float64"),
     ],
-    ids=["optimizer", "dataset-on-rank-1"],
+    ids=["optimizer", "dataset-on-rank-1", "half"],
 )
 def test_a_bad_job_on_2_ranks_is_refused_on_each_before_any_write(
-    tmp_path: Path, fault: str, extra: tuple[str, ...], says: str
+    tmp_path: Path, fault: str, extra: tuple[str, ...], code: int, says: str
 ) -> None:
     store, key = tmp_path / "run.zarr", tmp_path / "k"
     ranks = _ranks(2, _job(store, key, fault, "--dataset-size", "512", *extra))
-    assert [code for code, _ in ranks] == [2, 2]
+    assert [c for c, _ in ranks] == [code, code]
     line = ranks[0][1]
     assert line.startswith("cocoon-ckpt: error: ") and says in line
     assert ranks[1][1] == line  # one message, the failing rank's
