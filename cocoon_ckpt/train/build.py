@@ -13,7 +13,6 @@ from torch.utils.data import Dataset
 from cocoon_ckpt._state_dict import uncompiled
 from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.embedding.engine import TablePlan
-from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.layout import THREAT_MODEL_DEFAULT
 from cocoon_ckpt.records import ModelShapes
 from cocoon_ckpt.train.config import JobConfig
@@ -149,20 +148,17 @@ def rank0_mechanism(config: JobConfig, dist: DistContext, mechanism: Mechanism |
     other ranks a BLT fit (seconds of CPU each) that would give the same bits.
 
     Raises:
-        ConfigError: the coordinator could not build it (every rank raises, none hangs).
+        BaseException: whatever building it raised on the coordinator, raised on every
+            rank as the coordinator raised it (none hangs, all exit alike).
     """
-    if dist.is_coordinator:
-        try:
-            mine = mechanism or build_mechanism(config.dp)
-        except BaseException as exc:
-            dist.broadcast_object(("error", f"{type(exc).__name__}: {exc}"))
-            raise
-        dist.broadcast_object(("ok", mine.state_dict()))
-        return mine
-    status, payload = dist.broadcast_object(None)
-    if status == "error":
-        raise ConfigError(f"rank 0 could not build the job's mechanism: {payload}")
-    return mechanism_from_state(payload)
+    built: list[Mechanism] = []
+
+    def build() -> dict[str, Any]:
+        built.append(mechanism or build_mechanism(config.dp))
+        return built[0].state_dict()
+
+    state = dist.from_coordinator(build)
+    return built[0] if built else mechanism_from_state(state)
 
 
 def threat_model(config: JobConfig) -> str:
