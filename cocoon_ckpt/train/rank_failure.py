@@ -5,6 +5,8 @@ exits with the same code (`_cli.exits` picks the code from the class).
 Plain pickling of an exception calls its class with `args` alone, which breaks classes
 whose `__init__` takes more (`ConfigMismatchError(message, differences)`); the class,
 `args` and attributes travel instead, and the copy is made without calling `__init__`.
+An OSError's errno, strerror and file names are C fields, not in its `__dict__`: they
+travel as attributes too, so its line keeps the path.
 """
 
 from __future__ import annotations
@@ -19,12 +21,18 @@ __all__ = ["Failure", "packed", "unpacked"]
 #: What travels between ranks: the class, its `args`, its attributes.
 Failure = tuple[type[BaseException], tuple[Any, ...], dict[str, Any]]
 
+#: An OSError's fields outside its `__dict__` (`str()` reads them).
+_OS_FIELDS = ("errno", "strerror", "filename", "filename2")
+
 
 def packed(exc: BaseException) -> Failure:
     """`exc` as it can be sent to another rank. A class or attribute that cannot be
     pickled (a job's local class) travels as its text, under a class the CLI gives the
     same exit code: ConfigError for a ValueError (2), RuntimeError otherwise (1)."""
-    failure: Failure = (type(exc), tuple(exc.args), dict(getattr(exc, "__dict__", {})))
+    attrs = dict(getattr(exc, "__dict__", {}))
+    if isinstance(exc, OSError):
+        attrs.update((n, v) for n in _OS_FIELDS if (v := getattr(exc, n)) is not None)
+    failure: Failure = (type(exc), tuple(exc.args), attrs)
     try:
         pickle.loads(pickle.dumps(failure))
     except Exception:  # whatever pickling raises, the text still travels
@@ -38,5 +46,6 @@ def unpacked(failure: Failure) -> BaseException:
     cls, args, attrs = failure
     exc = cls.__new__(cls, *args)
     exc.args = args
-    exc.__dict__.update(attrs)
+    for name, value in attrs.items():
+        setattr(exc, name, value)  # not __dict__: an OSError's fields are C slots
     return exc
