@@ -41,8 +41,7 @@ from cocoon_ckpt.train.job_records import job_records
 from cocoon_ckpt.train.metrics import MetricsError, TrainingMetrics, step_scalars
 from cocoon_ckpt.train.parts import JobParts
 from cocoon_ckpt.train.preempt import Preemption, preempted_error
-from cocoon_ckpt.train.resume import prepare_trainer
-from cocoon_ckpt.train.start import parts_on_ranks, start_ranks
+from cocoon_ckpt.train.start import parts_on_ranks, start_ranks, trainer_on_ranks
 from cocoon_ckpt.train.target_epsilon import calibrated_job
 from cocoon_ckpt.train.trainer import DPTrainer, StepResult
 from state import Manifest, Store, Version
@@ -141,9 +140,10 @@ def open_job(
             undo.callback(store.release_lease)
         if trainer is None:
             # In a multi-process job every rank builds its trainer after rank 0's start
-            # (a user's builder may hold collectives), then checks and restores it.
+            # (a user's builder may hold collectives), then checks and restores it; a
+            # refusal on any rank is raised on all.
             resume = (store, latest) if latest is not None else None
-            trainer = prepare_trainer(config, key, builder, dist, resume, allow)
+            trainer = trainer_on_ranks(config, key, builder, dist, resume, allow)
         undo.callback(trainer.close)
         if latest is not None:
             log.info(

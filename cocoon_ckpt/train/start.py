@@ -25,7 +25,7 @@ from cocoon_ckpt.train.resume import check_records, prepare_trainer
 from cocoon_ckpt.train.trainer import DPTrainer
 from state import Store, StoreError, StoreNotFoundError, Version
 
-__all__ = ["parts_on_ranks", "start_job", "start_ranks"]
+__all__ = ["parts_on_ranks", "start_job", "start_ranks", "trainer_on_ranks"]
 
 log = logging.getLogger("cocoon_ckpt.train.runner")
 
@@ -166,10 +166,63 @@ def start_ranks(
 
     # the other ranks wait for the coordinator's lease, key and choice of version, and
     # raise its refusal as it raised it
-    version = dist.from_coordinator(start)
+    try:
+        version = dist.from_coordinator(start)
+    except BaseException:
+        _release(started)  # the broadcast of rank 0's "ok" failed after its lease
+        raise
+    mine = started[:1]  # the coordinator's start, or this rank's open below
+    failure: BaseException | None = None
+    if not mine:
+        # what only this rank reads (its host's key file, its view of the store) may fail
+        # here alone: agreed, so no rank goes on to a collective another never reaches
+        try:
+            opts, fs = kw["storage_options"], kw["fs"]
+            store = Store.open(store_url, storage_options=opts, fs=fs, create=False)
+            latest = store.read(version) if version is not None else None
+            mine.append((store, latest, load_key(store, kw["key_file"]), None))
+        except BaseException as exc:
+            failure = exc
+    try:
+        dist.agree(failure)
+    except BaseException:
+        _release(started)
+        raise
+    return mine[0]  # agree raised where any rank had none
+
+
+def _release(started: list[tuple[Store, Version | None, bytes, DPTrainer | None]]) -> None:
+    """The coordinator's lease released, where its start took one."""
     if started:
-        return started[0]
-    opts, fs = kw["storage_options"], kw["fs"]
-    store = Store.open(store_url, storage_options=opts, fs=fs, create=False)
-    latest = store.read(version) if version is not None else None
-    return store, latest, load_key(store, kw["key_file"]), None
+        started[0][0].release_lease()
+
+
+def trainer_on_ranks(
+    config: JobConfig,
+    key: bytes,
+    builder: Callable[..., JobParts] | None,
+    dist: DistContext | None,
+    resume: tuple[Store, Version] | None,
+    allow: ResumeAllowances,
+) -> DPTrainer:
+    """Every rank's trainer, built, checked against `resume` and restored; a refusal on
+    any rank (its data's digest, its device) is raised on every rank as itself, so none
+    waits in a step's collective for a rank that stopped (`dist` None: one process's).
+
+    A rank that fails before the mechanism's broadcast (`build.rank0_mechanism`) would
+    meet the others in another collective; what runs before it reads the one verified
+    version every rank reads, so it fails alike on every rank.
+    """
+    if dist is None:
+        return prepare_trainer(config, key, builder, None, resume, allow)
+    try:
+        trainer = prepare_trainer(config, key, builder, dist, resume, allow)
+    except BaseException as exc:
+        dist.agree(exc)  # raises, on every rank
+        raise
+    try:
+        dist.agree(None)  # the other ranks' trainers passed too
+    except BaseException:
+        trainer.close()
+        raise
+    return trainer

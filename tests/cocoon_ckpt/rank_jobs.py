@@ -21,7 +21,8 @@ __all__ = ["build"]
 def build(config: JobConfig) -> JobParts:
     """The mlp example's parts; with `fault` "optimizer", an Adam the config does not
     name; with "dataset", one example fewer than `dataset_size`; with "half", a float16
-    model (refused by the trainer's model checks)."""
+    model (refused by the trainer's model checks); with "content", every input shifted by
+    one (the same size, another digest)."""
     parts = mlp.build(config)
     rank = config.options.get("fault_rank")
     if rank is not None and int(os.environ.get("RANK", "0")) != rank:
@@ -33,6 +34,9 @@ def build(config: JobConfig) -> JobParts:
     elif fault == "dataset":
         x, y = data  # type: ignore[misc]
         data = (x[:-1], y[:-1])
+    elif fault == "content":
+        x, y = data  # type: ignore[misc]
+        data = (x + 1, y)
     elif fault == "half":
         parts.model.half()
     return JobParts(model=parts.model, optimizer=optimizer, loss_fn=parts.loss_fn, dataset=data)

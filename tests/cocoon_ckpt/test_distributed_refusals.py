@@ -143,6 +143,19 @@ def test_a_refused_coordinator_start_reaches_every_rank_as_itself(tmp_path: Path
 
 
 @pytest.mark.slow
+def test_a_resume_refused_on_one_rank_only_is_refused_on_every_rank(tmp_path: Path) -> None:
+    store, key = tmp_path / "run.zarr", tmp_path / "k"
+    argv = _job(store, key, "content", "--dataset-size", "512", "--job-option", "fault_rank=1")
+    assert main(argv) == 0  # one process: rank 0's data, unshifted
+    before = sorted(p.name for p in (store / "versions").iterdir())
+    ranks = _ranks(2, argv)  # rank 1's data shifted: its digest differs from the store's
+    # rank 0, whose data matches, stops with rank 1's refusal instead of a gloo error
+    assert ranks[0][0] == ranks[1][0] != 0
+    assert "dataset.digest" in ranks[0][1] and ranks[1][1] == ranks[0][1]
+    assert sorted(p.name for p in (store / "versions").iterdir()) == before
+
+
+@pytest.mark.slow
 def test_a_target_epsilon_on_2_ranks_is_calibrated_once_to_the_single_process_sigma(
     tmp_path: Path,
 ) -> None:
