@@ -114,11 +114,10 @@ def run_job(
         storage_options=storage_options,
         key_file=key_file,
         takeover=takeover,
-        allow=(allow or ResumeAllowances()).widened(
-            fallback=allow_fallback,
-            generator_change=allow_generator_change,
-            device_change=allow_device_change,
-        ),
+        allow=allow,
+        allow_fallback=allow_fallback,
+        allow_generator_change=allow_generator_change,
+        allow_device_change=allow_device_change,
         on_precompute=on_precompute,
         fs=fs,
     ) as job:

@@ -48,17 +48,13 @@ def start_job(
     key_file: str | None,
     takeover: bool,
     dist: DistContext | None,
-    allow: ResumeAllowances | None = None,
-    allow_fallback: bool = False,
-    allow_generator_change: bool = False,
-    allow_device_change: bool = False,
+    allow: ResumeAllowances,
 ) -> tuple[Store, Version | None, bytes, DPTrainer | None]:
     """Check everything, then write for the first time: create the store, take the lease,
     keep a new job's key. Returns the store (lease held), the version to resume from, the
     key, and (single process) the trainer, built, checked and restored.
 
-    `allow` lifts resume checks; the `allow_*` flags are its keyword form (what either
-    allows is allowed: `ResumeAllowances.widened`).
+    `allow` lifts resume checks (`open_job` has widened it by its keyword flags).
 
     A writer that commits between the checks and the lease (possible with `takeover`)
     is caught: the checks run again, lease held, against its version.
@@ -68,15 +64,6 @@ def start_job(
             calibrates it: `train.target_epsilon.calibrated_job`), before anything opens.
     """
     _ = config.dp.sigma  # the noise multiplier that will run, given or calibrated
-    allow = (allow or ResumeAllowances()).widened(
-        fallback=allow_fallback,
-        generator_change=allow_generator_change,
-        device_change=allow_device_change,
-    )
-    if dist is not None:
-        # a single process's trainer is built and checked below; the ranks build theirs
-        # after this start, so what they would refuse is refused here, before any write
-        check_distributed(config.embedding, dist.world)
     store = _open_existing(store_url, storage_options, fs)
     try:
         for _ in range(2):

@@ -31,7 +31,7 @@ from cocoon_ckpt.train.build import rank0_mechanism
 from cocoon_ckpt.train.distributed import DistContext, shard_bounds
 from cocoon_ckpt.train.mechanisms import build_mechanism, build_noise, mechanism_from_state
 from cocoon_ckpt.train.metrics import read_metrics
-from cocoon_ckpt.train.start import start_job
+from cocoon_ckpt.train.start import parts_on_ranks
 from state import Store, Version
 from tests.cocoon_ckpt.conftest import job_config
 from tests.cocoon_ckpt.test_distributed import _latest, _ranks, _ring, _single
@@ -141,20 +141,22 @@ def test_shards_and_a_reshard_give_the_whole_noise(kind: MechanismKind) -> None:
 def test_embedding_noise_on_ranks_is_refused_before_any_write(tmp_path: Path) -> None:
     config = job_config("dlrm", bands=4, embedding=EmbeddingConfig())
     url, key = tmp_path / "run.zarr", tmp_path / "k"
+    # the start's first step on every rank (rank 1 agreeing in this process): it refuses
+    # before rank 0's start_job opens anything
     with pytest.raises(ConfigError, match="embedding noise with torch.distributed"):
-        start_job(
-            config,
-            str(url),
-            storage_options=None,
-            fs=None,
-            builder=None,
-            key_file=str(key),
-            takeover=False,
-            allow_fallback=False,
-            allow_generator_change=False,
-            dist=DistContext(0, 2),
-        )
+        rank0: Any = _Rank0Of2()
+        parts_on_ranks(config, None, rank0)
     assert not url.exists() and not key.exists()
+
+
+class _Rank0Of2:
+    """Rank 0 of 2 in one process; rank 1's checks passed."""
+
+    rank, world = 0, 2
+    agree = DistContext.agree
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj, None]
 
 
 class _Ranks:
