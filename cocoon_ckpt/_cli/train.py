@@ -278,7 +278,8 @@ def run(args: argparse.Namespace) -> int:
 
         progress = Progress(config.dp.steps, config.checkpoint_every)
 
-    from cocoon_ckpt.train.runner import ResumeAllowances, run_job
+    from cocoon_ckpt.train.allowances import ResumeAllowances
+    from cocoon_ckpt.train.runner import run_job
 
     try:
         result = run_job(

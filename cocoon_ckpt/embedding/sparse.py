@@ -55,7 +55,8 @@ def check_tables(
             raise UnsupportedModelError(
                 f"embedding table {spec.param!r} has padding_idx={mod.padding_idx}: its "
                 "per-sample row gradients would be wrong (every row is read at id 0 here); "
-                "drop padding_idx and zero the padding ids' rows in forward instead"
+                "drop padding_idx; to mask padding, pass a 0/1 mask in another data column "
+                "and multiply the looked-up rows by it (the id column reads 0 in forward here)"
             )
         if spec.data_index >= len(data) - 1:
             raise ValueError(

@@ -142,7 +142,9 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        # the C++ entry point, as OpOverload.__call__ calls it (one Python frame less)
+        # the C++ entry point, as OpOverload.__call__ calls it (one Python frame less).
+        # `_op` is private to torch (2.x's OpOverload): a release that renames it breaks
+        # here at the first recorded op, and `func(*args, **kwargs)` is the public call
         out = func._op(*args, **kwargs)
         if self.refusal is not None:
             return out

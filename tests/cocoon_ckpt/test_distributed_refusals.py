@@ -164,8 +164,8 @@ def test_a_target_epsilon_on_2_ranks_is_calibrated_once_to_the_single_process_si
     assert main(_args(one, key, *target)) == 0
     many, counts = tmp_path / "two.zarr", tmp_path / "calls"
     assert [code for code, _ in _ranks(2, _args(many, key, *target), counts)] == [0, 0]
-    # rank 0 calibrated for the CLI's config and for the job it opened: the start finds
-    # the sigma calibrated already; rank 1 never calibrated
+    # rank 0 calibrated once, for the CLI's config: the job it opened finds the sigma
+    # calibrated already; rank 1 never calibrated
     assert Path(f"{counts}.0").read_text().split() == ["noise_multiplier_for"]
     assert not Path(f"{counts}.1").exists()
     dp_one, dp_many = (

@@ -55,7 +55,7 @@ def test_size_check_agrees_with_merge(
     check_says = SizeCheck(MERGED).mismatch(tape) is None
     if merge_says and not check_says:
         # the one difference allowed: the check tells -0.0 from 0.0, merge does not
-        assert "-0.0" in repr((scale, top, fill))
+        assert "-0.0" in str(SizeCheck(MERGED).mismatch(tape))
     else:
         assert merge_says == check_says
 
