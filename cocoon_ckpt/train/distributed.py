@@ -91,6 +91,10 @@ class DistContext:
         if not dist.is_available():
             raise RuntimeError(f"WORLD_SIZE={world} but this torch build has no torch.distributed")
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            # NCCL's object collectives (the start's agreements) stage on the current
+            # device: without this every rank of a host would use cuda:0
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend)
         return cls(dist.get_rank(), dist.get_world_size())
 
