@@ -4,13 +4,15 @@ every rank with one exit code and one message before anything is written; a refu
 the coordinator's start reaches the other ranks as itself; a target epsilon is
 calibrated once, on rank 0, and every rank trains with its sigma, the single process's.
 The trainer refuses embedding noise on ranks with the start's own check; on one rank it
-trains as one process, bit for bit."""
+trains as one process, bit for bit. A refusal on one rank alone after rank 0's start (its
+data's digest, its key file) stops every rank, rank 0's lease released."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,9 +20,12 @@ import torch
 from cocoon_ckpt._cli.main import main
 from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.errors import ConfigError, ConfigMismatchError
+from cocoon_ckpt.train.allowances import ResumeAllowances
 from cocoon_ckpt.train.build import job_parts
 from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.rank_failure import packed, unpacked
+from cocoon_ckpt.train.runner import run_job
+from cocoon_ckpt.train.start import start_ranks
 from cocoon_ckpt.train.stored import model_state
 from cocoon_ckpt.train.trainer import DPTrainer
 from state import CorruptVersionError, Store
@@ -153,6 +158,50 @@ def test_a_resume_refused_on_one_rank_only_is_refused_on_every_rank(tmp_path: Pa
     assert ranks[0][0] == ranks[1][0] != 0
     assert "dataset.digest" in ranks[0][1] and ranks[1][1] == ranks[0][1]
     assert sorted(p.name for p in (store / "versions").iterdir()) == before
+
+
+class _Rank0:
+    """Rank 0 of 2 in one process; rank 1 reports `theirs` when the ranks agree."""
+
+    rank, world, is_coordinator = 0, 2, True
+    agree = DistContext.agree
+    from_coordinator = DistContext.from_coordinator
+
+    def __init__(self, theirs: BaseException | None) -> None:
+        self.theirs = theirs
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return obj
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj, None if self.theirs is None else packed(self.theirs)]
+
+
+def test_a_rank_that_cannot_open_the_store_stops_the_coordinator_lease_released(
+    tmp_path: Path,
+) -> None:
+    url, key = str(tmp_path / "run.zarr"), tmp_path / "k"
+    config = job_config("mlp", bands=2, steps=4)
+    run_job(config, url, key_file=str(key))
+    # rank 1's host has no key file where the job names one
+    missing = FileNotFoundError(2, "No such file or directory", str(key))
+    rank0: Any = _Rank0(missing)
+    with pytest.raises(FileNotFoundError) as caught:
+        start_ranks(
+            config,
+            url,
+            rank0,
+            None,
+            storage_options=None,
+            key_file=str(key),
+            takeover=False,
+            allow=ResumeAllowances(),
+            fs=None,
+        )
+    assert str(caught.value) == str(missing)  # rank 1's error, path included
+    holder = Store.open(url, create=False).lease_holder()
+    assert holder is not None and holder["generation"] == 2  # this start's lease ...
+    assert holder["released"]  # ... released by rank 0
 
 
 @pytest.mark.slow
