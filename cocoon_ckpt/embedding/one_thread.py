@@ -10,8 +10,10 @@ and forth). The results are the same bits: these kernels give each output row to
 thread, in index order, whatever the thread count (tests/cocoon_ckpt/
 test_one_thread.py compares them).
 
-torch's thread count belongs to the calling thread (OpenMP), so other threads of the
-process keep theirs. `fixed_threads(n)` is the same switch at any count: the trainer
+torch's thread count belongs to the calling thread (OpenMP): a thread that has used
+torch keeps its own, but one whose first torch call comes while another thread's count
+is switched starts with the switched count and keeps it (seen with torch 2.13's CPU
+build), so a long-lived worker should set its own count. `fixed_threads(n)` is the same switch at any count: the trainer
 takes its gradients under a job's recorded count (`train.grad_threads`), because GEMMs
 are not thread-count invariant.
 """

@@ -156,7 +156,15 @@ class Checkpointer:
         at once (at most one write is in flight)."""
         if self._retaining is not None:
             fut, self._retaining = self._retaining, None
-            fut.result()
+            try:
+                fut.result()
+            except Exception as exc:  # raised where the next commit or wait() stops
+                committed = self.last.version if self.last is not None else None
+                exc.add_note(
+                    f"(retention after committing version {committed} failed; nothing "
+                    "after that version was committed)"
+                )
+                raise
 
     def _write_coordinated(self, snap: Snapshot, dist: DistContext) -> Manifest:
         """Every rank writes its arrays of version v (its own folder); after a barrier

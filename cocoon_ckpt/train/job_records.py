@@ -10,7 +10,7 @@ them all or is refused before anything is written.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NotRequired, get_origin, get_type_hints
 
 from cocoon_ckpt.errors import CocoonError
 from cocoon_ckpt.keys import key_id, key_location
@@ -23,11 +23,16 @@ from cocoon_ckpt.train.trainer import DPTrainer
 __all__ = ["REQUIRED", "IncompleteRecordsError", "check_job_records", "job_records"]
 
 #: Every record a version of a job must carry, besides the trainer's own state: the
-#: keys of `JobRecords` not marked NotRequired. Named here because `records` is written
-#: with postponed annotations, under which Python 3.11's TypedDict counts every key,
-#: NotRequired ones included, in `__required_keys__`.
-_OPTIONAL = frozenset({"metrics", "grad_threads"})
-REQUIRED: tuple[str, ...] = tuple(sorted(set(JobRecords.__annotations__) - _OPTIONAL))
+#: keys of `JobRecords` not marked NotRequired, read from the resolved hints because
+#: `records` is written with postponed annotations, under which Python 3.11's TypedDict
+#: counts every key, NotRequired ones included, in `__required_keys__`.
+REQUIRED: tuple[str, ...] = tuple(
+    sorted(
+        name
+        for name, hint in get_type_hints(JobRecords, include_extras=True).items()
+        if get_origin(hint) is not NotRequired
+    )
+)
 
 
 class IncompleteRecordsError(CocoonError, ValueError):

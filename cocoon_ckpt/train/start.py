@@ -209,6 +209,11 @@ def trainer_on_ranks(
         raise
     try:
         dist.agree(None)  # the other ranks' trainers passed too
+        if resume is None:
+            # A new job's ranks take the coordinator's gradient thread count: the record
+            # holds rank 0's, and a resume sets every rank to it (train.grad_threads), so
+            # a rank whose machine defaulted to another count would change bits there.
+            trainer.grad_threads = dist.broadcast_object(trainer.grad_threads)
     except BaseException:
         trainer.close()
         raise

@@ -190,7 +190,13 @@ class DPTrainer:
         self.step_index = 0
         self.last_noise: torch.Tensor | None = None
         self._noise_pool = (
-            concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="noise")
+            concurrent.futures.ThreadPoolExecutor(
+                max_workers=1,
+                thread_name_prefix="noise",
+                # its count fixed now: started inside the gradients' pin it would keep that
+                initializer=torch.set_num_threads,
+                initargs=(torch.get_num_threads(),),
+            )
             if overlap_noise
             else None
         )

@@ -9,6 +9,7 @@ import logging
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,8 @@ import torch
 from cocoon_ckpt import ConfigMismatchError, DPConfig, DPTrainer, JobConfig, run_job
 from cocoon_ckpt.embedding.one_thread import fixed_threads
 from cocoon_ckpt.train import job_records as job_records_mod
-from cocoon_ckpt.train import session
+from cocoon_ckpt.train import session, start
+from cocoon_ckpt.train.allowances import ResumeAllowances
 from cocoon_ckpt.train.job_records import REQUIRED, job_records
 from cocoon_ckpt.train.runner import build_trainer
 from cocoon_ckpt.train.stored import model_state, records_of
@@ -211,3 +213,27 @@ def test_the_cli_records_its_count_and_refuses_a_bad_one(tmp_path: Path) -> None
         [sys.executable, "-m", "cocoon_ckpt", "inspect", str(store)], capture_output=True, text=True
     )
     assert "gradients on 1 torch thread (kept on resume)" in shown.stdout
+
+
+class _Rank1:
+    """Rank 1 of 2 in one process, whose coordinator runs its gradients on 3 threads."""
+
+    rank, world, is_coordinator = 1, 2, False
+
+    def agree(self, failure: BaseException | None) -> None:
+        assert failure is None
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return 3  # the coordinator's count, whatever this rank has
+
+
+@pytest.mark.parametrize(("resume", "expected"), [(None, 3), (("store", "version"), 1)])
+def test_a_new_multi_rank_job_takes_the_coordinators_count(
+    monkeypatch: pytest.MonkeyPatch, resume: Any, expected: int
+) -> None:
+    """The record holds rank 0's count and a resume sets every rank to it, so a new job's
+    ranks must all run at rank 0's from the first step (a resume already reads it)."""
+    mine = types.SimpleNamespace(grad_threads=1, close=lambda: None)  # this rank's default
+    monkeypatch.setattr(start, "prepare_trainer", lambda *a: mine)
+    got: Any = start.trainer_on_ranks(CFG, KEY, None, _Rank1(), resume, ResumeAllowances())  # type: ignore[arg-type]
+    assert got is mine and got.grad_threads == expected
