@@ -14,8 +14,6 @@ from torchrun's environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`)
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,13 +67,6 @@ def check_distributed(embedding: object | None, world: int) -> None:
         )
 
 
-def _destroy_group() -> None:
-    """The process group destroyed, if it is still up (an exit handler)."""
-    if dist.is_available() and dist.is_initialized():
-        with contextlib.suppress(Exception):  # exiting anyway: the code is already set
-            dist.destroy_process_group()
-
-
 @dataclass(frozen=True, slots=True)
 class DistContext:
     """This process's place in the job: rank r of world ranks."""
@@ -105,11 +96,6 @@ class DistContext:
             # device: without this every rank of a host would use cuda:0
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend)
-        # The group this process started is destroyed at exit while the interpreter is
-        # whole: left to finalisation, gloo's worker threads can free tensors that take
-        # the GIL then and abort the process (SIGABRT: seen once in CI on the rank that
-        # left last after an agreed refusal; pytorch/pytorch#179291 describes it).
-        atexit.register(_destroy_group)
         return cls(dist.get_rank(), dist.get_world_size())
 
     def bounds(self, dim: int) -> tuple[int, int]:
