@@ -336,8 +336,9 @@ class MetricSeries(TypedDict):
     steps: list[list[int]]
     """Runs `[start, stop)` of consecutive step indices t (0-based), increasing and
     disjoint: `[[0, 300]]` is a point at every step of 0..299."""
-    values: list[float]
-    """The value at each of those steps, finite."""
+    values: str | list[float]
+    """The value at each of those steps, finite: base64 of their little-endian float64
+    bytes (schema 2), or a JSON list of numbers (schema 1, still read)."""
 
 
 class MetricsRecord(TypedDict):

@@ -166,17 +166,7 @@ class Manifest:
             )
         _verify_checksums(doc, corrupt)
         try:
-            m = cls(
-                version=int(doc["version"]),
-                step=int(doc["step"]),
-                parent=None if doc["parent"] is None else int(doc["parent"]),
-                created=str(doc["created"]),
-                write_id=str(doc["write_id"]),
-                writer=dict(doc["writer"]),
-                job_fingerprint=doc.get("job_fingerprint"),
-                arrays={k: ArrayMeta.from_json(v) for k, v in doc["arrays"].items()},
-                records=dict(doc["records"]),
-            )
+            m = cls._from_doc(doc)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise corrupt(f"lacks or mangles field {exc}", "header") from exc
         if m.version != version:
@@ -193,18 +183,45 @@ class Manifest:
                 f"{_describe_region(region)}): it was altered after it was written",
                 region,
             )
-        for name, meta in m.arrays.items():
+        m._check_paths(where)
+        return m
+
+    @classmethod
+    def from_own_bytes(cls, data: bytes, *, where: str) -> Manifest:
+        """The manifest that `from_bytes` would return for `data`, which this process
+        made with `to_bytes` (canonical and checksummed by construction): parsed, its
+        array paths checked, its checksums and form not verified again. For the manifest cache's copy of a version just committed; bytes read
+        from a store always go through `from_bytes`."""
+        m = cls._from_doc(json.loads(data))
+        m._check_paths(where)
+        return m
+
+    def _check_paths(self, where: str) -> None:
+        for name, meta in self.arrays.items():
             reason = unsafe_path_reason(meta.path)
             if reason is not None:
                 raise UnsafePathError(
-                    f"version {version} of {where}: array {name!r} has path {meta.path!r}, "
-                    f"which {reason}; a manifest may name only arrays under versions/ and "
-                    "shared/ of its own store, so this version is refused",
-                    version=version,
+                    f"version {self.version} of {where}: array {name!r} has path "
+                    f"{meta.path!r}, which {reason}; a manifest may name only arrays under "
+                    "versions/ and shared/ of its own store, so this version is refused",
+                    version=self.version,
                     path=meta.path,
                     array=name,
                 )
-        return m
+
+    @classmethod
+    def _from_doc(cls, doc: Mapping[str, Any]) -> Manifest:
+        return cls(
+            version=int(doc["version"]),
+            step=int(doc["step"]),
+            parent=None if doc["parent"] is None else int(doc["parent"]),
+            created=str(doc["created"]),
+            write_id=str(doc["write_id"]),
+            writer=dict(doc["writer"]),
+            job_fingerprint=doc.get("job_fingerprint"),
+            arrays={k: ArrayMeta.from_json(v) for k, v in doc["arrays"].items()},
+            records=dict(doc["records"]),
+        )
 
 
 def restamp(doc: Mapping[str, Any]) -> bytes:

@@ -72,6 +72,16 @@ class ManifestCache:
             self._verified[version] = (digest, parsed)
         return parsed
 
+    def remember(self, version: int, data: bytes, where: str) -> None:
+        """Take version `version`'s manifest as verified from `data`, the bytes this
+        process has just committed (`Manifest.to_bytes` made them canonical and
+        checksummed). They are trusted only while the store's bytes hash the same, as a
+        verified read is: retention after every commit then parses the new manifest
+        once, cheaply, instead of verifying what it wrote itself."""
+        parsed = Manifest.from_own_bytes(data, where=where)
+        with self._lock:
+            self._verified[version] = (_digest(data), parsed)
+
     def forget(self, version: int) -> None:
         """Drop version `version` (deleted, or its bytes changed)."""
         with self._lock:

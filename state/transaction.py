@@ -219,5 +219,6 @@ class Transaction(_VersionWriter):
                 f"({writer}); this commit is refused"
             ) from None
         self.committed = manifest
+        self.store.manifest_cache.remember(self.version, data, backend.url)
         hooks.point(AFTER_MANIFEST, step=self.step, version=self.version)
         return manifest

@@ -6,18 +6,28 @@ version alone carries the whole curve: retention deletes older versions, and a
 curve split across them would lose its start. A resume loads the record of the
 version it resumes from, whose points all precede its step, so the steps run again
 after it are recorded once. The record is in the manifest, covered by its sha256
-like every record (docs/store-format.md); a point costs about 25 bytes per version.
+like every record (docs/store-format.md).
+
+Schema 2 stores a series' values as one base64 string of little-endian float64s, about
+11 bytes a point per version. Schema 1's JSON list of numbers (still read) cost every
+commit ~2 us a point to canonicalize and checksum, and every verification as much
+again: 11 ms and 16.5 ms at 1,500 steps of three metrics, 88 KB of a 134 KB manifest,
+against 1.7 ms and 2.4 ms for the same manifest with schema 2.
 
 Torch-free: `inspect`, the audit and the plots read the record through this module.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from cocoon_ckpt.errors import CocoonError
 from cocoon_ckpt.records import MetricSeries, MetricsRecord
@@ -31,6 +41,7 @@ __all__ = [
     "Series",
     "TrainingMetrics",
     "check_name",
+    "pack_values",
     "read_metrics",
     "step_scalars",
 ]
@@ -41,7 +52,9 @@ STEP_METRICS = ("loss", "grad_norm", "noise_norm")
 
 #: The record's name in a version's manifest.
 METRICS_RECORD = "metrics"
-METRICS_SCHEMA = 1
+METRICS_SCHEMA = 2
+#: Schemas `read_metrics` reads: 1 held each series' values as a JSON list of numbers.
+_READ_SCHEMAS = (1, 2)
 
 #: A metric name: a letter or `_` first, then letters, digits, `_`, `.` or `-`; at most 64.
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]{0,63}")
@@ -166,7 +179,7 @@ class TrainingMetrics:
             s = self._series[name]
             n = sum(1 for t in s.steps if t < stop)
             if n:
-                series[name] = {"steps": _runs(s.steps[:n]), "values": list(s.values[:n])}
+                series[name] = {"steps": _runs(s.steps[:n]), "values": pack_values(s.values[:n])}
         return {"schema_version": METRICS_SCHEMA, "stop": stop, "series": series}
 
     @classmethod
@@ -182,7 +195,26 @@ class TrainingMetrics:
         return cls(read_metrics(version.records.get(METRICS_RECORD), version.step, where))
 
 
-def _series(name: str, raw: Any, stop: int, where: str) -> Series:
+def pack_values(values: list[float]) -> str:
+    """Schema 2's form of a series' values: base64 of their little-endian float64 bytes
+    (exact: the floats are float64)."""
+    return base64.b64encode(np.asarray(values, dtype="<f8").tobytes()).decode("ascii")
+
+
+def _unpack_values(raw: object) -> list[float] | None:
+    """The floats of schema 2's string; None if it is not base64 of whole float64s."""
+    if not isinstance(raw, str):
+        return None
+    try:
+        data = base64.b64decode(raw.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError):
+        return None
+    if len(data) % 8:
+        return None
+    return np.frombuffer(data, dtype="<f8").tolist()  # type: ignore[no-any-return]
+
+
+def _series(name: str, raw: Any, stop: int, where: str, schema: int) -> Series:
     def bad(what: str) -> MetricsError:
         return MetricsError(f"{where}: metrics record, series {name!r}: {what}")
 
@@ -204,7 +236,9 @@ def _series(name: str, raw: Any, stop: int, where: str) -> Series:
             )
         steps.extend(range(run[0], run[1]))
         last = run[1]
-    values = raw["values"]
+    values = raw["values"] if schema == 1 else _unpack_values(raw["values"])
+    if values is None:
+        raise bad("values are not base64 of little-endian float64s")
     if not isinstance(values, list) or len(values) != len(steps):
         raise bad(f"holds {len(steps)} steps but not as many values")
     out = []
@@ -232,10 +266,11 @@ def read_metrics(record: object, step: int, where: str) -> dict[str, Series]:
     """
     if record is None:
         return {}
-    if not isinstance(record, dict) or record.get("schema_version") != METRICS_SCHEMA:
+    schema = record.get("schema_version") if isinstance(record, dict) else None
+    if not isinstance(record, dict) or schema not in _READ_SCHEMAS:
         raise MetricsError(
-            f"{where}: metrics record is not a schema {METRICS_SCHEMA} metrics mapping; "
-            "audit the store"
+            f"{where}: metrics record is not a metrics mapping of schema "
+            f"{' or '.join(map(str, _READ_SCHEMAS))}; audit the store"
         )
     if record.get("stop") != step or not isinstance(record.get("series"), dict):
         raise MetricsError(
@@ -248,5 +283,5 @@ def read_metrics(record: object, step: int, where: str) -> dict[str, Series]:
             check_name(name)
         except MetricsError as exc:
             raise MetricsError(f"{where}: {exc}") from None
-        out[name] = _series(name, raw, step, where)
+        out[name] = _series(name, raw, step, where, schema)
     return out

@@ -9,17 +9,26 @@ import dataclasses
 import json
 import math
 import shutil
+import struct
 from pathlib import Path
 from typing import Any
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import given
 
 from cocoon_ckpt import StepResult, open_job, run_job
 from cocoon_ckpt._cli.catalog import _inspect_lines
 from cocoon_ckpt.examples import mlp as mlp_job
 from cocoon_ckpt.tools.audit import audit_store
 from cocoon_ckpt.tools.catalog import inspect_store
-from cocoon_ckpt.train.metrics import MetricsError, Series, TrainingMetrics, read_metrics
+from cocoon_ckpt.train.metrics import (
+    MetricsError,
+    Series,
+    TrainingMetrics,
+    pack_values,
+    read_metrics,
+)
 from fault_injection import CrashPointHit, crash_at, disarm_all
 from state import Store, restamp
 
@@ -151,9 +160,42 @@ def test_metrics_records_are_checked_when_read() -> None:
     bad["series"]["a"]["steps"] = [[1, 3]]
     with pytest.raises(MetricsError, match=r"run \[1, 3\] .* step 2"):
         read_metrics(bad, 2, "v")
-    bad["series"]["a"] = {"steps": [[0, 2]], "values": [1.0]}
+    bad["series"]["a"] = {"steps": [[0, 2]], "values": pack_values([1.0])}
     with pytest.raises(MetricsError, match="holds 2 steps but not as many values"):
         read_metrics(bad, 2, "v")
+    for garbage in ([1.0, 2.0], "not base64!", pack_values([1.0, 2.0])[:-4], 3):
+        bad["series"]["a"] = {"steps": [[0, 2]], "values": garbage}
+        with pytest.raises(MetricsError, match="not base64 of little-endian float64s"):
+            read_metrics(bad, 2, "v")
+    bad["series"]["a"] = {"steps": [[0, 2]], "values": pack_values([1.0, float("inf")])}
+    with pytest.raises(MetricsError, match="the value of step 1 is inf"):
+        read_metrics(bad, 2, "v")
+
+
+def test_a_schema_1_record_is_still_read() -> None:
+    """Stores written before schema 2 held each series' values as a JSON list."""
+    old = {
+        "schema_version": 1,
+        "stop": 5,
+        "series": {"loss": {"steps": [[0, 2], [3, 5]], "values": [0.5, 0.25, 1, 2.5]}},
+    }
+    assert read_metrics(old, 5, "v") == {"loss": Series([0, 1, 3, 4], [0.5, 0.25, 1.0, 2.5])}
+    old["series"]["loss"]["values"] = pack_values([0.5, 0.25, 1.0, 2.5])  # type: ignore[index]
+    with pytest.raises(MetricsError, match="holds 4 steps but not as many values"):
+        read_metrics(old, 5, "v")
+    with pytest.raises(MetricsError, match="of schema 1 or 2"):
+        read_metrics({**old, "schema_version": 3}, 5, "v")
+
+
+@given(st.lists(st.floats(allow_nan=False, allow_infinity=False), max_size=40))
+def test_packed_values_read_back_exactly(values: list[float]) -> None:
+    m = TrainingMetrics()
+    for t, v in enumerate(values):
+        m.add(t, {"x": v})
+    rec = json.loads(json.dumps(m.to_record(len(values))))
+    got = read_metrics(rec, len(values), "v").get("x", Series())
+    assert [struct.pack("<d", v) for v in got.values] == [struct.pack("<d", v) for v in values]
+    assert got.steps == list(range(len(values)))
 
 
 def _latest_manifest(root: Path) -> Path:
@@ -173,21 +215,24 @@ def test_a_tampered_metrics_record_is_found_by_the_audit(
     p = _latest_manifest(store)
     text = p.read_text()
     doc = json.loads(text)
-    v = doc["records"]["metrics"]["series"]["loss"]["values"][3]
-    p.write_text(text.replace(json.dumps(v), json.dumps(v * 0.5), 1))
+    loss = doc["records"]["metrics"]["series"]["loss"]
+    packed = loss["values"]
+    values = read_metrics(doc["records"]["metrics"], doc["step"], "v")["loss"].values
+    values[3] *= 0.5
+    p.write_text(text.replace(packed, pack_values(values), 1))
     report = audit_store(str(store), coordinates=8, seed=0, key_file=key)
     assert not report.ok and "metrics" in report.text()
 
     # the same change by a writer who recomputes the checksums: the parent disagrees
-    doc["records"]["metrics"]["series"]["loss"]["values"][3] = v * 0.5
+    loss["values"] = pack_values(values)
     p.write_bytes(restamp(doc))
     report = audit_store(str(store), coordinates=8, seed=0, key_file=key)
     found = [f.message for f in report.findings if f.check == "metrics"]
     assert found and "metric loss of the steps before" in found[0]
 
     # a point labelled at the version's own step
-    doc["records"]["metrics"]["series"]["loss"]["steps"] = [[0, 25]]
-    doc["records"]["metrics"]["series"]["loss"]["values"].append(1.0)
+    loss["steps"] = [[0, 25]]
+    loss["values"] = pack_values([*values, 1.0])
     p.write_bytes(restamp(doc))
     report = audit_store(str(store), coordinates=8, seed=0, key_file=key)
     found = [f.message for f in report.findings if f.check == "metrics"]
