@@ -24,6 +24,7 @@ from zarr.abc.store import Store as ZarrStore
 from .backend import Backend, Capabilities
 from .paths import partial_path
 from .retry import RetryPolicy
+from .threads import run_all, submit_or_run
 
 __all__ = ["LocalBackend"]
 
@@ -46,6 +47,12 @@ class LocalBackend(Backend):
     ) -> None:
         super().__init__(url, storage_options, fs, retry)
         self._staged = _StagedSyncs()
+        # Folders `write_staged` made or found: a version's files are written from its
+        # writer thread while the training thread holds the GIL most of the time, and
+        # each syscall then costs a wait for the GIL (up to the 5 ms switch interval).
+        # A stat per file to find its folder there was half of the writes' wall time on
+        # the digits job. A folder deleted since is made again when the open fails.
+        self._folders: set[str] = set()
 
     def _capabilities(self) -> Capabilities:
         return Capabilities(exclusive_create=True, fsync=True, permissions=True)
@@ -145,9 +152,20 @@ class LocalBackend(Backend):
         noise history and the model), and start the file's fsync in the background:
         `fsync_tree` waits for it."""
         path = self.path(rel)
-        _makedirs_private(os.path.dirname(path))
+        folder = os.path.dirname(path)
+        if folder not in self._folders:
+            _makedirs_private(folder)
+            if len(self._folders) > 4096:  # a long job's old folders: forget them
+                self._folders.clear()
+            self._folders.add(folder)
         flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
-        fd = os.open(path, flags, 0o600)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileNotFoundError:  # the folder went since it was made (a retention)
+            self._folders.clear()
+            _makedirs_private(folder)
+            self._folders.add(folder)
+            fd = os.open(path, flags, 0o600)
         try:
             os.fchmod(fd, 0o600)  # open's mode is masked by the umask; fchmod's is not
             _write_all(fd, parts)
@@ -203,9 +221,8 @@ class LocalBackend(Backend):
                 if path not in synced:
                     files.append(path)
             folders.append(dirpath)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=_FSYNC_THREADS) as pool:
-            list(pool.map(_fsync_path, files))
-            list(pool.map(_fsync_path, folders))
+        run_all(_fsync_path, files, _FSYNC_THREADS)
+        run_all(_fsync_path, folders, _FSYNC_THREADS)
         parent = os.path.dirname(top)
         while len(parent) >= len(self.root):
             _fsync_path(parent)
@@ -252,12 +269,7 @@ class _StagedSyncs:
                 self._pending = {}
             pool, slots = self._pool, self._open
         slots.acquire()
-        try:
-            future = pool.submit(_fsync_close, fd, slots)
-        except RuntimeError:  # the interpreter is shutting down: no new threads
-            _fsync_close(fd, slots)
-            future = concurrent.futures.Future()
-            future.set_result(None)
+        future = submit_or_run(pool, _fsync_close, fd, slots)  # inline while exiting
         with self._lock:
             self._pending[path] = future
 
@@ -312,23 +324,28 @@ def _write_durable(path: str, data: bytes) -> None:
 
 def _makedirs_private(path: str) -> None:
     """`os.makedirs(path, exist_ok=True)`, but every folder it creates is 0700: makedirs
-    gives the parents it creates the umask's mode, and a mkdir mode is masked by it."""
-    if os.path.isdir(path):
-        return
-    missing = []
-    here = os.path.abspath(path)
-    while not os.path.exists(here):
-        missing.append(here)
-        up = os.path.dirname(here)
-        if up == here:
-            break
-        here = up
-    for folder in reversed(missing):
+    gives the parents it creates the umask's mode, and a mkdir mode is masked by it.
+    mkdir first, parents only when it says they are missing: a new folder under an
+    existing one costs two syscalls (mkdir, chmod), an existing one a failed mkdir and
+    a stat."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise
+        return  # there already, or made at the same moment by another writer
+    except FileNotFoundError:
+        parent = os.path.dirname(os.path.abspath(path))
+        if parent == os.path.abspath(path):
+            raise
+        _makedirs_private(parent)
         try:
-            os.mkdir(folder, 0o700)
+            os.mkdir(path, 0o700)
         except FileExistsError:
-            continue  # made at the same moment by another writer of this store
-        os.chmod(folder, 0o700)
+            if not os.path.isdir(path):
+                raise
+            return
+    os.chmod(path, 0o700)
 
 
 def _size(path: str) -> int:

@@ -109,9 +109,13 @@ def _inspect_lines(out: dict[str, Any]) -> list[str]:
     lines.append(
         f"{'version':>7} {'step':>6} {'written':>10} {'total':>10} {'epsilon':>9}  kinds written"
     )
+    composed = False
     for v in out["versions"]:
         kinds = ", ".join(f"{k} {size(n)}" for k, n in v["bytes_written_by_kind"].items())
         eps = "-" if v["epsilon"] is None else f"{v['epsilon']:.4f}"
+        if v["epsilon"] is not None and not v.get("epsilon_stored", True):
+            eps += "*"
+            composed = True
         done = " (complete)" if v["complete"] else ""
         lines.append(
             f"{v['version']:>7} {v['step']:>6} {size(v['bytes_written']):>10} "
@@ -134,6 +138,11 @@ def _inspect_lines(out: dict[str, Any]) -> list[str]:
                 f"{'':>16}embedding: {emb['tables']} tables ({paths}), "
                 f"{emb['hot_rows']:,} hot rows{csc}; cursor at step {emb['cursor']}"
             )
+    if composed:
+        lines.append(
+            "* composed now from the version's accounting event (a version written mid-run "
+            "does not store its epsilon; the job's last version does)"
+        )
     lines.extend(_metrics_lines(out["versions"]))
     for d in out["damaged_manifests"]:
         lines.append(f"DAMAGED version {d['version']}: {d['error']}")

@@ -1,7 +1,11 @@
 """Read a store's catalogue: what each version holds, what changed, what to delete.
 
 Manifests only (no array is read) and nothing heavier than `state` is imported, so the
-commands built on this (`inspect`, `diff`, `gc`) start at once.
+commands built on this (`inspect`, `diff`, `gc`) start at once. The one exception: a
+version written mid-run stores its accounting event but not its epsilon (only a job's
+last version does: composing it at every checkpoint cost the training more than the
+write), so `inspect` composes it from the config, importing dp-accounting (~1 s) the
+first time.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ def _version_summary(m: Manifest) -> dict[str, Any]:
         "writer": m.writer,
         # derived, never the stored flag (I7): audit reports a flag that disagrees
         "complete": m.step == _planned_steps(rec),
-        "epsilon": rec.get("accountant", {}).get("epsilon"),
+        **_epsilon(m),
         "delta": rec.get("accountant", {}).get("delta"),
         "threat_model": rec.get("threat_model", THREAT_MODEL_DEFAULT),
         "bytes_written": sum(own.values()),
@@ -68,6 +72,29 @@ def _version_summary(m: Manifest) -> dict[str, Any]:
         "embedding": _embedding_summary(rec.get("embedding")),
         "metrics": _metrics_summary(m),
     }
+
+
+def _epsilon(m: Manifest) -> dict[str, Any]:
+    """`epsilon`: the version's stored epsilon, or for one written mid-run (which
+    stores only its accounting event) the epsilon composed now from its config, as
+    audit recomputes it (None: malformed records; audit says what is wrong).
+    `epsilon_stored` says which."""
+    rec = m.records
+    acc = rec.get("accountant", {})
+    stored = acc.get("epsilon") if isinstance(acc, dict) else None
+    if stored is not None:
+        return {"epsilon": stored, "epsilon_stored": True}
+    try:
+        if m.step == 0:
+            return {"epsilon": 0.0, "epsilon_stored": False}
+        from cocoon_ckpt.dp.accounting import epsilon_of_run  # dp-accounting: ~1 s
+
+        eps = epsilon_of_run(
+            rec["config"]["dp"], rec.get("mechanism"), m.step, str(acc.get("method", "pld"))
+        )
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return {"epsilon": None, "epsilon_stored": False}
+    return {"epsilon": eps, "epsilon_stored": False}
 
 
 def _metrics_summary(m: Manifest) -> dict[str, Any] | None:
@@ -195,11 +222,12 @@ def inspect_store(
         }
         try:
             acc = rec.get("accountant", {})
-            # the recorded epsilon: inspect reads manifests only; audit recomputes it
+            # the recorded epsilon, or composed from the config where the version
+            # stores only its event; audit recomputes it either way
             out["job"]["guarantee"] = describe(
                 rec,
                 steps_done=last.step,
-                epsilon=acc.get("epsilon"),
+                epsilon=versions[-1]["epsilon"],
                 accounting_method=str(acc.get("method", "pld")),
             )
         except (KeyError, TypeError, ValueError, AttributeError):

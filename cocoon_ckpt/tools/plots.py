@@ -214,7 +214,8 @@ def write_plots(
     )
     ax = axes[0]
     ax.step(curve.steps, curve.epsilons, where="post", label="recomputed from the config")
-    stored = [m for m in vs if m.step > 0]
+    # only versions that store their epsilon (a job's last; mid-run ones store the event)
+    stored = [m for m in vs if m.step > 0 and m.records["accountant"].get("epsilon") is not None]
     ax.plot(
         [m.step for m in stored],
         [m.records["accountant"]["epsilon"] for m in stored],

@@ -33,7 +33,7 @@ from torch import nn
 from cocoon_ckpt.dp import _validate as valid
 from cocoon_ckpt.records import JobRecords
 from cocoon_ckpt.train.allowances import ResumeAllowances
-from cocoon_ckpt.train.checkpoint import Checkpointer
+from cocoon_ckpt.train.checkpoint import Checkpointer, writer_handoff
 from cocoon_ckpt.train.config import JobConfig
 from cocoon_ckpt.train.data import Batch
 from cocoon_ckpt.train.distributed import DistContext
@@ -208,6 +208,8 @@ class JobSession:
         self._closed = False
         self._stopped = False  # a PreemptedError was raised for the noted signal
         self._defer = contextlib.ExitStack()
+        if ckpt.async_write:
+            self._defer.enter_context(writer_handoff())  # until close
         if preempt is not None:
             # from here to close a signal is noted and acted on between steps
             self._defer.enter_context(preempt.deferring())

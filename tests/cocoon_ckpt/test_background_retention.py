@@ -5,6 +5,8 @@ leaves a store that `retain` (gc) cleans and that resumes exactly."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -112,3 +114,71 @@ def test_a_crash_halfway_through_deletions_is_cleaned_and_resumes_exactly(
     _, divergence = verify(cfg, url, [], reference, crashed, key_file=key)
     assert divergence is None, str(divergence)
     assert Store.open(url, create=False).latest().records["complete"]  # type: ignore[union-attr]
+
+
+def test_a_job_shortens_the_switch_interval_while_it_writes_and_restores_it(
+    tmp_path: Path,
+) -> None:
+    from cocoon_ckpt.examples import mlp as mlp_job
+    from cocoon_ckpt.train.checkpoint import WRITER_SWITCH_INTERVAL
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        cfg = job_config(bands=4, steps=6)
+        with open_job(cfg, str(tmp_path / "a.zarr"), mlp_job.build(cfg)) as job:
+            assert sys.getswitchinterval() == pytest.approx(WRITER_SWITCH_INTERVAL)
+            list(job.steps())
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        # a shorter one is left alone; one changed meanwhile is not put back
+        sys.setswitchinterval(0.0001)
+        with open_job(cfg, str(tmp_path / "b.zarr"), mlp_job.build(cfg)) as job:
+            assert sys.getswitchinterval() == pytest.approx(0.0001)
+        sys.setswitchinterval(0.005)
+        with open_job(cfg, str(tmp_path / "c.zarr"), mlp_job.build(cfg)) as job:
+            sys.setswitchinterval(0.002)
+        assert sys.getswitchinterval() == pytest.approx(0.002)
+        # a job writing in the foreground has no writer thread to hand over to
+        fg = job_config(bands=4, steps=6, async_checkpoint=False)
+        with open_job(fg, str(tmp_path / "d.zarr"), mlp_job.build(fg)) as job:
+            assert sys.getswitchinterval() == pytest.approx(0.002)
+    finally:
+        sys.setswitchinterval(before)
+
+
+_EXIT_IN_FLIGHT = """
+import sys, time
+from cocoon_ckpt import DPConfig, JobConfig, open_job
+from cocoon_ckpt.examples import mlp
+from cocoon_ckpt.train.checkpoint import ASYNC_FLUSH
+from state import hooks
+
+url, key = sys.argv[1], sys.argv[2]
+dp = DPConfig(steps=12, batch_size=16, dataset_size=512, noise_multiplier=1.0, bands=4)
+cfg = JobConfig(job="example:mlp", dp=dp, checkpoint_every=5)
+job = open_job(cfg, url, mlp.build(cfg), key_file=key)
+for _ in job.steps(until=7):
+    pass
+# the writer of step 7 starts only after the main thread has returned
+hooks.arm(ASYNC_FLUSH, lambda name, ctx: time.sleep(1.0) if ctx["step"] == 7 else None)
+job.checkpoint()
+print("exiting with a checkpoint in flight", flush=True)
+"""
+
+
+def test_a_checkpoint_in_flight_when_the_interpreter_exits_is_committed(tmp_path: Path) -> None:
+    """A job never closed: its last checkpoint is written while the interpreter exits,
+    when every thread pool refuses new work (the fsyncs, retention and epsilon run in
+    the writer's thread then)."""
+    url, key = str(tmp_path / "s.zarr"), str(tmp_path / "k")
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_IN_FLIGHT, url, key],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "exiting with a checkpoint in flight" in done.stdout
+    assert _kept_steps(url) == [5, 7], done.stderr
+    newest = Store.open(url, create=False).latest()  # its arrays verify
+    assert newest is not None and newest.step == 7

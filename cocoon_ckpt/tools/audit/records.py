@@ -166,8 +166,20 @@ def _check_accountant(
             )
     if not 0 < m.step <= steps:
         return 0
-    eps = config_epsilon(dp, m.step, str(acc.get("method", "pld")), m.records.get("mechanism"))
     stored = acc.get("epsilon")
+    if stored is None:
+        # Written mid-run: only the job's last version stores its epsilon (the others
+        # store the accountant's parameters, checked above, and readers compose it
+        # from the config).
+        if m.step == steps:
+            report.add(
+                "accountant",
+                f"version at the job's last step {steps} stores no epsilon; the writer "
+                "stores it in the last version",
+                v,
+            )
+        return 0
+    eps = config_epsilon(dp, m.step, str(acc.get("method", "pld")), m.records.get("mechanism"))
     if not isinstance(stored, (int, float)) or not math.isclose(
         stored, eps, rel_tol=1e-9, abs_tol=1e-12
     ):

@@ -1,0 +1,48 @@
+"""Work handed to a thread pool that still gets done while the interpreter exits.
+
+A job that is never closed can have a checkpoint in flight when its main thread
+returns. The interpreter then joins the pools' threads, so the write in flight goes on,
+but from that moment `ThreadPoolExecutor.submit` refuses new work ("cannot schedule new
+futures after interpreter shutdown") on every pool, old or new: a write that hands its
+fsyncs, its epsilon or its retention to another pool would fail there and the version
+be lost. These helpers run the work in the calling thread instead.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+__all__ = ["run_all", "submit_or_run"]
+
+T = TypeVar("T")
+
+
+def submit_or_run(
+    pool: concurrent.futures.Executor, fn: Callable[..., T], *args: Any
+) -> concurrent.futures.Future[T]:
+    """`pool.submit(fn, *args)`, or, where the pool refuses new work because the
+    interpreter is exiting (or the pool was shut down), `fn(*args)` run now, its result
+    or exception in the future returned."""
+    try:
+        return pool.submit(fn, *args)
+    except RuntimeError:
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as exc:  # the caller's result() raises it, as a pool's would
+            done.set_exception(exc)
+        return done
+
+
+def run_all(fn: Callable[[T], object], items: Iterable[T], workers: int) -> None:
+    """`fn(item)` for every item, on up to `workers` threads (in this thread where the
+    interpreter is exiting); raises the first failure after all have run."""
+    items = list(items)
+    if not items:
+        return
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [submit_or_run(pool, fn, item) for item in items]
+    for future in futures:
+        future.result()
