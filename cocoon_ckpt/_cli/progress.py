@@ -1,10 +1,11 @@
 """The progress bars of `train` on stderr: the embedding precompute, then the steps with
-loss, epsilon and the last checkpoint. Only on a terminal: redirected to a file or a
+loss, the epsilon the run will have spent at its end, and the last checkpoint. Only on a terminal: redirected to a file or a
 pipe (a batch job's log), carriage-return redraws are noise, so nothing is drawn."""
 
 from __future__ import annotations
 
 import sys
+import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -50,19 +51,30 @@ class Progress:
         if self._bar is None:  # made at the first step: a refused start draws no bar
             self._bar = self._tqdm(total=self._steps, desc="train", unit="step", file=sys.stderr)
             self._bar.update(res.step)  # resumed: start the bar where the job is
+            self._end_epsilon(trainer)
         if trainer.step_index % self._every == 0:
             self._shown["ckpt"] = str(trainer.step_index)
-        # never composes here: the checkpoint writer does, off the training thread
-        eps = trainer.accountant.known_epsilon()
-        if eps is not None:
-            self._shown["eps"] = f"{eps:.3f}"
         self._bar.set_postfix(
             loss=f"{res.loss:.4f}",
-            eps=self._shown["eps"],
+            eps_at_end=self._shown["eps"],
             last_ckpt=self._shown["ckpt"],
             refresh=False,
         )
         self._bar.update(1)
+
+    def _end_epsilon(self, trainer: DPTrainer) -> None:
+        """Compose the epsilon of the whole run once, on a thread of its own: mid-run
+        versions no longer store theirs, and the job's last version needs this one
+        (the composition is cached, so that commit finds it done)."""
+        from cocoon_ckpt.dp.accountant import Accountant
+
+        acc = Accountant.from_state_dict(trainer.accountant.state_dict(with_epsilon=False))
+        acc.steps = self._steps
+
+        def compose() -> None:
+            self._shown["eps"] = f"{acc.epsilon():.3f}"
+
+        threading.Thread(target=compose, name="progress-epsilon", daemon=True).start()
 
     def close(self) -> None:
         """End the step bar, if one was drawn."""

@@ -80,6 +80,23 @@ def _job(store: Path, key: Path, fault: str, *extra: str) -> list[str]:
     return _args(store, key, *job, *extra)
 
 
+class _Exit(tuple):  # type: ignore[type-arg]
+    """A rank's (exit code, last stderr line), equal to that pair; its repr carries the
+    tail of the whole stderr, so a failed comparison shows why a rank ended (a rank
+    that aborted after the agreed error printed its reason above its last line)."""
+
+    stderr: str
+
+    def __new__(cls, code: int, stderr: str) -> _Exit:
+        text = stderr.strip()
+        out = super().__new__(cls, (code, text.splitlines()[-1] if text else ""))
+        out.stderr = text
+        return out
+
+    def __repr__(self) -> str:
+        return f"{tuple(self)!r} [stderr ends: {self.stderr[-3000:]!r}]"
+
+
 def _ranks(world: int, argv: list[str], counts: Path | None = None) -> list[tuple[int, str]]:
     """The ranks of `cocoon-ckpt argv`, started with torchrun's environment; each one's
     exit code and stderr. `counts`: each rank counts its calibrations in `counts.<rank>`."""
@@ -102,7 +119,7 @@ def _ranks(world: int, argv: list[str], counts: Path | None = None) -> list[tupl
     out = []
     for p in procs:
         _, err = p.communicate(timeout=300)
-        out.append((p.returncode, err.strip().splitlines()[-1] if err.strip() else ""))
+        out.append(_Exit(p.returncode, err))
     return out
 
 
