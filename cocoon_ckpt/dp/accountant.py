@@ -17,7 +17,6 @@ from cocoon_ckpt.dp.accounting import (
     clear_caches,
     dp_event,
     epsilon,
-    epsilon_if_cached,
     epsilon_of_event,
     validate_arguments,
 )
@@ -95,24 +94,6 @@ class Accountant:
             self.method.value,
         )
 
-    def known_epsilon(self) -> float | None:
-        """epsilon spent so far if it is already composed (by anyone in this process),
-        else None; never composes. For displays that must not wait for a composition,
-        which the checkpoint writer does off the training thread."""
-        if self.steps == 0:
-            return 0.0
-        if self.sensitivity is not None:
-            return self.epsilon()  # closed form: no composition to wait for
-        return epsilon_if_cached(
-            self.noise_multiplier,
-            self.dataset_size,
-            self.batch_size,
-            math.ceil(self.steps / self.bands),
-            self.bands,
-            self.delta,
-            self.method,
-        )
-
     def event(self) -> dict[str, Any] | None:
         """The composed dp-accounting event as a JSON-ready record."""
         if self.steps == 0:
@@ -132,7 +113,8 @@ class Accountant:
 
     def state_dict(self, *, with_epsilon: bool = True) -> dict[str, Any]:
         """The record; `with_epsilon=False` leaves `epsilon` None (it costs a PLD
-        composition; the checkpoint writer fills it in off the training thread). A BLT's
+        composition; the checkpoint writer fills it in, off the training thread, for
+        the job's last version only: readers compose a mid-run version's). A BLT's
         accountant adds `sensitivity` (BandMF records are as they always were)."""
         out: dict[str, Any] = {
             "kind": "Accountant",

@@ -26,7 +26,6 @@ __all__ = [
     "clear_caches",
     "dp_event",
     "epsilon",
-    "epsilon_if_cached",
     "epsilon_of_event",
     "epsilon_of_run",
     "event_from_record",
@@ -196,21 +195,6 @@ def _epsilon_cached(
                 _epsilons.pop(next(iter(_epsilons)))
             _epsilons[key] = eps
         return eps
-
-
-def epsilon_if_cached(
-    noise_multiplier: float,
-    dataset_size: int,
-    batch_size: int,
-    compositions: int,
-    bands: int,
-    delta: float,
-    method: AccountingMethod,
-) -> float | None:
-    """The epsilon of `compositions` rounds if this process has composed it already,
-    else None; never composes (for displays that must not wait)."""
-    key = (noise_multiplier, dataset_size, batch_size, compositions, bands, delta, method)
-    return _epsilons.get(key)
 
 
 def epsilon(

@@ -121,7 +121,8 @@ class TrainerState(TypedDict):
     noise_layout: NoiseLayout
     sampler: dict[str, Any]
     accountant: dict[str, Any]
-    """`Accountant.state_dict(with_epsilon=False)`: the writer computes epsilon."""
+    """`Accountant.state_dict(with_epsilon=False)`: the writer composes the epsilon of
+    the job's last version; a mid-run version keeps None."""
     mechanism: dict[str, Any]
     """`BandMF.state_dict()` or `BLT.state_dict()` (a resume compares it before loading,
     and rebuilds a BLT from it rather than fitting one again)."""

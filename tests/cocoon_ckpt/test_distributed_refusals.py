@@ -145,7 +145,7 @@ def test_a_bad_job_on_2_ranks_is_refused_on_each_before_any_write(
 ) -> None:
     store, key = tmp_path / "run.zarr", tmp_path / "k"
     ranks = _ranks(2, _job(store, key, fault, "--dataset-size", "512", *extra))
-    assert [c for c, _ in ranks] == [code, code]
+    assert [c for c, _ in ranks] == [code, code], ranks
     line = ranks[0][1]
     assert line.startswith("cocoon-ckpt: error: ") and says in line
     assert ranks[1][1] == line  # one message, the failing rank's
@@ -159,7 +159,7 @@ def test_a_refused_coordinator_start_reaches_every_rank_as_itself(tmp_path: Path
     before = sorted(p.name for p in (store / "versions").iterdir())
     ranks = _ranks(2, _args(store, key, "--seed", "7"))  # the store's job had seed 0
     # a ConfigMismatchError on each (a valid request refused: exit 1), rank 0's message
-    assert [code for code, _ in ranks] == [1, 1]
+    assert [code for code, _ in ranks] == [1, 1], ranks
     assert "seed" in ranks[0][1] and ranks[1][1] == ranks[0][1]
     assert sorted(p.name for p in (store / "versions").iterdir()) == before
 
@@ -172,7 +172,7 @@ def test_a_resume_refused_on_one_rank_only_is_refused_on_every_rank(tmp_path: Pa
     before = sorted(p.name for p in (store / "versions").iterdir())
     ranks = _ranks(2, argv)  # rank 1's data shifted: its digest differs from the store's
     # rank 0, whose data matches, stops with rank 1's refusal instead of a gloo error
-    assert ranks[0][0] == ranks[1][0] != 0
+    assert ranks[0][0] == ranks[1][0] != 0, ranks
     assert "dataset.digest" in ranks[0][1] and ranks[1][1] == ranks[0][1]
     assert sorted(p.name for p in (store / "versions").iterdir()) == before
 
