@@ -1,5 +1,3 @@
-import sys
+from cocoon_ckpt._cli.main import entry
 
-from cocoon_ckpt._cli.main import main
-
-sys.exit(main())
+entry()
