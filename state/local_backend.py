@@ -154,17 +154,13 @@ class LocalBackend(Backend):
         path = self.path(rel)
         folder = os.path.dirname(path)
         if folder not in self._folders:
-            _makedirs_private(folder)
-            if len(self._folders) > 4096:  # a long job's old folders: forget them
-                self._folders.clear()
-            self._folders.add(folder)
+            self._make_folder(folder)
         flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
         try:
             fd = os.open(path, flags, 0o600)
         except FileNotFoundError:  # the folder went since it was made (a retention)
             self._folders.clear()
-            _makedirs_private(folder)
-            self._folders.add(folder)
+            self._make_folder(folder)
             fd = os.open(path, flags, 0o600)
         try:
             os.fchmod(fd, 0o600)  # open's mode is masked by the umask; fchmod's is not
@@ -173,6 +169,13 @@ class LocalBackend(Backend):
             os.close(fd)
             raise
         self._staged.submit(path, fd)
+
+    def _make_folder(self, folder: str) -> None:
+        """`_makedirs_private`, remembered (a long job's old folders are forgotten)."""
+        _makedirs_private(folder)
+        if len(self._folders) > 4096:
+            self._folders.clear()
+        self._folders.add(folder)
 
     def write_once(self, rel: str, data: bytes, *, private: bool = False) -> None:
         """Temp file, fsync, rename into place, fsync the folder; the file is 0600."""
@@ -221,8 +224,7 @@ class LocalBackend(Backend):
                 if path not in synced:
                     files.append(path)
             folders.append(dirpath)
-        run_all(_fsync_path, files, _FSYNC_THREADS)
-        run_all(_fsync_path, folders, _FSYNC_THREADS)
+        run_all(_fsync_path, _FSYNC_THREADS, files, folders)
         parent = os.path.dirname(top)
         while len(parent) >= len(self.root):
             _fsync_path(parent)
@@ -339,12 +341,8 @@ def _makedirs_private(path: str) -> None:
         if parent == os.path.abspath(path):
             raise
         _makedirs_private(parent)
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            if not os.path.isdir(path):
-                raise
-            return
+        _makedirs_private(path)
+        return
     os.chmod(path, 0o700)
 
 

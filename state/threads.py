@@ -36,13 +36,14 @@ def submit_or_run(
         return done
 
 
-def run_all(fn: Callable[[T], object], items: Iterable[T], workers: int) -> None:
-    """`fn(item)` for every item, on up to `workers` threads (in this thread where the
-    interpreter is exiting); raises the first failure after all have run."""
-    items = list(items)
-    if not items:
-        return
+def run_all(fn: Callable[[T], object], workers: int, *batches: Iterable[T]) -> None:
+    """`fn(item)` for every item of each batch in turn, on up to `workers` threads of one
+    pool (in this thread where the interpreter is exiting). A batch is done whole before
+    the next starts; the first failure of a batch is raised once the batch is done, and
+    the later batches do not run."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [submit_or_run(pool, fn, item) for item in items]
-    for future in futures:
-        future.result()
+        for batch in batches:
+            futures = [submit_or_run(pool, fn, item) for item in batch]
+            concurrent.futures.wait(futures)
+            for future in futures:
+                future.result()
