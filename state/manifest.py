@@ -190,8 +190,9 @@ class Manifest:
     def from_own_bytes(cls, data: bytes, *, where: str) -> Manifest:
         """The manifest that `from_bytes` would return for `data`, which this process
         made with `to_bytes` (canonical and checksummed by construction): parsed, its
-        array paths checked, its checksums and form not verified again. For the manifest cache's copy of a version just committed; bytes read
-        from a store always go through `from_bytes`."""
+        array paths checked, its checksums and form not verified again. For the
+        manifest cache's copy of a version just committed; bytes read from a store
+        always go through `from_bytes`."""
         m = cls._from_doc(json.loads(data))
         m._check_paths(where)
         return m

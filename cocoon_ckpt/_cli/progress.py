@@ -1,6 +1,7 @@
 """The progress bars of `train` on stderr: the embedding precompute, then the steps with
-loss, the epsilon the run will have spent at its end, and the last checkpoint. Only on a terminal: redirected to a file or a
-pipe (a batch job's log), carriage-return redraws are noise, so nothing is drawn."""
+loss, the epsilon the run will have spent at its end, and the last checkpoint. Only on
+a terminal: redirected to a file or a pipe (a batch job's log), carriage-return
+redraws are noise, so nothing is drawn."""
 
 from __future__ import annotations
 

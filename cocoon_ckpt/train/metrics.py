@@ -236,9 +236,11 @@ def _series(name: str, raw: Any, stop: int, where: str, schema: int) -> Series:
             )
         steps.extend(range(run[0], run[1]))
         last = run[1]
-    values = raw["values"] if schema == 1 else _unpack_values(raw["values"])
-    if values is None:
-        raise bad("values are not base64 of little-endian float64s")
+    values = raw["values"]
+    if schema != 1:
+        values = _unpack_values(values)
+        if values is None:
+            raise bad("values are not base64 of little-endian float64s")
     if not isinstance(values, list) or len(values) != len(steps):
         raise bad(f"holds {len(steps)} steps but not as many values")
     out = []

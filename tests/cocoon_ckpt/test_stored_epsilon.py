@@ -33,12 +33,22 @@ def stopped(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return url, key
 
 
+@pytest.fixture(scope="module")
+def finished(stopped: tuple[Path, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The stopped job resumed to its end (step 16), in a copy of its store."""
+    url, key = stopped
+    done = tmp_path_factory.mktemp("eps-done") / "done.zarr"
+    shutil.copytree(url, done, symlinks=True)
+    run_job(job_config("mlp", bands=4, steps=16, keep_last=5), str(done), key_file=key)
+    return done
+
+
 def _accountant(url: Path, version: int) -> dict[str, object]:
     return Store.open(str(url)).manifest(version).records["accountant"]  # type: ignore[no-any-return]
 
 
 def test_mid_run_versions_store_the_event_and_the_last_its_epsilon(
-    stopped: tuple[Path, str], tmp_path: Path
+    stopped: tuple[Path, str], finished: Path
 ) -> None:
     url, key = stopped
     store = Store.open(str(url))
@@ -47,9 +57,7 @@ def test_mid_run_versions_store_the_event_and_the_last_its_epsilon(
         acc = _accountant(url, v)
         assert acc["epsilon"] is None
         assert acc["event"]["count"] == -(-store.manifest(v).step // 4)  # type: ignore[index]
-    done = tmp_path / "done.zarr"
-    shutil.copytree(url, done, symlinks=True)
-    run_job(job_config("mlp", bands=4, steps=16, keep_last=5), str(done), key_file=key)
+    done = finished
     last = Store.open(str(done))
     acc = _accountant(done, last.versions()[-1])
     assert last.manifest(last.versions()[-1]).step == 16
@@ -82,12 +90,11 @@ def test_export_of_a_mid_run_version_reports_the_composed_epsilon(
 
 
 def test_a_last_version_without_its_epsilon_is_an_audit_finding(
-    stopped: tuple[Path, str], tmp_path: Path
+    stopped: tuple[Path, str], finished: Path, tmp_path: Path
 ) -> None:
-    url, key = stopped
+    key = stopped[1]
     done = tmp_path / "done.zarr"
-    shutil.copytree(url, done, symlinks=True)
-    run_job(job_config("mlp", bands=4, steps=16, keep_last=5), str(done), key_file=key)
+    shutil.copytree(finished, done, symlinks=True)
     p = sorted((done / "manifests").glob("*.json"))[-1]
     doc = json.loads(p.read_text())
     doc["records"]["accountant"]["epsilon"] = None

@@ -142,8 +142,10 @@ def check_metrics(manifests: dict[int, Manifest], report: AuditReport) -> None:
 def _check_accountant(
     m: Manifest, dp: dict[str, Any], acc: dict[str, Any], steps: int, report: AuditReport
 ) -> int:
-    """The accountant record's parameters against the config and step, and its epsilon
-    against one recomputed from the config when the step is within the config's `steps`.
+    """The accountant record's parameters against the config and step, and its stored
+    epsilon against one recomputed from the config when the step is within the config's
+    `steps`. A mid-run version stores none (nothing to compare); the version at the
+    job's last step must.
 
     Returns:
         1 when epsilon was recomputed, else 0.
