@@ -47,7 +47,7 @@ class FaultPlan:
     """Which faults to inject, how often, and where.
 
     Probabilities are per operation of the kind they apply to (reads or writes).
-    `paths` restricts faults to paths containing one of the substrings (e.g. "/c/"
+    `paths` restricts faults to paths containing one of the substrings (e.g. "/c."
     for chunks, "manifests/" for commits); empty means every path.
     """
 

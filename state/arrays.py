@@ -28,8 +28,10 @@ from .checksum import array_checksum
 
 __all__ = [
     "CHUNK_BYTES",
+    "CHUNK_SEPARATOR",
     "ZARR_DATA_TYPES",
     "array_metadata",
+    "chunk_key",
     "default_dimension_names",
     "read_array",
     "write_array",
@@ -39,6 +41,15 @@ __all__ = [
 #: small enough that a damaged chunk names a small region.
 CHUNK_BYTES = 16 << 20
 _PIECE = 1 << 20  # crc pieces: small enough to stay in cache for the second crc
+
+#: The chunk key separator of the arrays written now: `c.0.0` beside zarr.json, where
+#: "/" (`c/0/0`, what stores of format 2 hold and is still read) makes a folder for
+#: every axis. A checkpoint every 10 steps of a small model writes a version every
+#: ~20 ms, and each folder is a mkdir, a chmod, an fsync and, at retention, an open, a
+#: scan and an rmdir: the two folders of a matrix's chunk were 10 of a digits version's
+#: 40 entries, and ~5 of its 26 ms (docs/benchmarks.md).
+CHUNK_SEPARATOR = "."
+_SEPARATORS = ("/", ".")
 
 
 def _chunks(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
@@ -58,8 +69,12 @@ def _expected_codecs(dtype: np.dtype[Any]) -> list[dict[str, Any]]:
     return [bytes_codec, {"name": "crc32c"}]
 
 
-def _chunk_key(index: int, ndim: int) -> str:
-    return "c" if ndim == 0 else "c/" + "/".join([str(index)] + ["0"] * (ndim - 1))
+def chunk_key(index: int, ndim: int, separator: str) -> str:
+    """The key of chunk `index` along axis 0 of an `ndim`-d array of this module's grid
+    (`c` for a 0-d array)."""
+    if ndim == 0:
+        return "c"
+    return "c" + separator + separator.join([str(index)] + ["0"] * (ndim - 1))
 
 
 def _layout(shape: tuple[int, ...], chunks: tuple[int, ...]) -> tuple[int, int]:
@@ -120,13 +135,14 @@ def array_metadata(
     dtype: np.dtype[Any],
     chunks: tuple[int, ...],
     dimension_names: list[str],
+    separator: str = CHUNK_SEPARATOR,
 ) -> dict[str, Any]:
     """The zarr v3 array metadata (zarr.json) of an array this module writes."""
     return {
         "shape": list(shape),
         "data_type": dtype.name,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": separator}},
         "fill_value": _fill_value(dtype),
         "codecs": _expected_codecs(dtype),
         "attributes": {},
@@ -173,6 +189,7 @@ def write_array(
 
     Returns:
         The `crc32c:` checksum of the whole array's C-order bytes, and the chunk shape.
+        Its chunk keys use `CHUNK_SEPARATOR`.
 
     Raises:
         TypeError: the dtype is not a zarr v3 core data type (nothing is written).
@@ -197,7 +214,7 @@ def write_array(
                 f"per axis of its shape {arr.shape}"
             )
     chunks = _chunks(arr.shape, arr.dtype.itemsize)
-    meta = array_metadata(arr.shape, arr.dtype, chunks, names)
+    meta = array_metadata(arr.shape, arr.dtype, chunks, names, CHUNK_SEPARATOR)
     backend.write_staged(f"{group}/{name}/zarr.json", [json.dumps(meta).encode()], exclusive=True)
     n_chunks, rows = _layout(arr.shape, chunks)
     array_crc = 0
@@ -216,7 +233,8 @@ def write_array(
         if pad:  # zarr stores edge chunks at full chunk shape, padded with the fill value
             chunk_crc = crc32c.crc32c(bytes(pad), chunk_crc)
         parts: list[bytes | memoryview] = [payload, bytes(pad), chunk_crc.to_bytes(4, "little")]
-        backend.write_staged(f"{group}/{name}/{_chunk_key(i, arr.ndim)}", parts, exclusive=True)
+        key = chunk_key(i, arr.ndim, CHUNK_SEPARATOR)
+        backend.write_staged(f"{group}/{name}/{key}", parts, exclusive=True)
     return f"crc32c:{array_crc:08x}", chunks
 
 
@@ -225,6 +243,7 @@ def read_array(
     group: str,
     name: str,
     layout: tuple[tuple[int, ...], str, tuple[int, ...]] | None = None,
+    separator: str = "/",
 ) -> tuple[np.ndarray, str]:
     """Read array `<group>/<name>`, checking every chunk's crc32c.
 
@@ -232,6 +251,8 @@ def read_array(
         layout: (shape, dtype, chunks) as the manifest recorded them; then zarr.json is
             not read (the manifest is the source of truth, and a cold read saves a
             small random read per array).
+        separator: the chunk key separator the manifest recorded, with `layout` (without
+            it, zarr.json's).
 
     Returns:
         The array and the `crc32c:` checksum of its C-order bytes.
@@ -248,12 +269,16 @@ def read_array(
         dtype = np.dtype(meta["data_type"])
         shape = tuple(int(s) for s in meta["shape"])
         chunks = tuple(int(c) for c in meta["chunk_grid"]["configuration"]["chunk_shape"])
+        encoding = meta.get("chunk_key_encoding")
+        config = encoding.get("configuration") if isinstance(encoding, dict) else None
+        stored = config.get("separator") if isinstance(config, dict) else None
         direct = (
             meta.get("codecs") == _expected_codecs(dtype)
-            and meta.get("chunk_key_encoding")
-            == {"name": "default", "configuration": {"separator": "/"}}
+            and encoding == {"name": "default", "configuration": {"separator": stored}}
+            and stored in _SEPARATORS
             and tuple(chunks[1:]) == tuple(max(s, 1) for s in shape[1:])
         )
+        separator = str(stored)
     if not direct:
         out = np.asarray(zarr.open_array(backend.zarr_store(group), path=name, mode="r")[...])
         return out, array_checksum(out)
@@ -266,7 +291,7 @@ def read_array(
     row_bytes = flat.shape[1] * dtype.itemsize
     for i in range(n_chunks):
         lo, hi = i * rows, min((i + 1) * rows, flat.shape[0])
-        key = _chunk_key(i, len(shape))
+        key = chunk_key(i, len(shape), separator)
         target = flat[lo:hi].data.cast("B")
         stored_len = rows * row_bytes if shape else dtype.itemsize
         data = _read_chunk(backend, f"{group}/{name}/{key}", target, stored_len)

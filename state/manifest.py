@@ -29,7 +29,10 @@ __all__ = [
 ]
 
 #: 2: record and header checksums, canonical bytes, confined array paths.
-FORMAT_VERSION = 2
+#: 3: an array may record `chunk_key_separator` "." (its chunks `c.0.0`, no folders).
+FORMAT_VERSION = 3
+#: The manifest formats this library reads.
+READ_FORMATS = (2, 3)
 _KIND = "cocoon-ckpt/manifest"
 _CHECKSUMS = ("header_checksum", "record_checksums")
 
@@ -48,6 +51,10 @@ class ArrayMeta:
     """`crc32c:xxxxxxxx` of the C-order bytes."""
     chunks: tuple[int, ...] | None = None
     """Chunk shape as written (None: read it from the array's zarr.json)."""
+    separator: str = "/"
+    """Its chunk key separator: "/" (`c/0/0`, format 2) or "." (`c.0.0`, format 3).
+    Recorded (as `chunk_key_separator`) only when it is ".", so a format-2 array's
+    entry reads back to the same canonical bytes."""
 
     @property
     def nbytes(self) -> int:
@@ -65,6 +72,7 @@ class ArrayMeta:
             "dtype": self.dtype,
             "checksum": self.checksum,
             **({"chunks": list(self.chunks)} if self.chunks is not None else {}),
+            **({"chunk_key_separator": self.separator} if self.separator != "/" else {}),
         }
 
     @classmethod
@@ -75,7 +83,14 @@ class ArrayMeta:
             dtype=str(d["dtype"]),
             checksum=str(d["checksum"]),
             chunks=tuple(int(c) for c in d["chunks"]) if "chunks" in d else None,
+            separator=_separator(d.get("chunk_key_separator", "/")),
         )
+
+
+def _separator(value: object) -> str:
+    if value not in ("/", "."):
+        raise ValueError(f"chunk_key_separator {value!r} is neither '/' nor '.'")
+    return str(value)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -100,13 +115,15 @@ class Manifest:
     """Logical name -> array location and checksum."""
     records: dict[str, Any] = field(default_factory=dict)
     """Small JSON records (sampler, accountant, config, ring layout, ...)."""
+    format_version: int = FORMAT_VERSION
+    """The format it was written in (one of `READ_FORMATS`); its bytes keep it."""
 
     def to_bytes(self) -> bytes:
         """The canonical bytes, checksums included (the same values give the same bytes)."""
         return _seal(
             {
                 "kind": _KIND,
-                "format_version": FORMAT_VERSION,
+                "format_version": self.format_version,
                 "version": self.version,
                 "step": self.step,
                 "parent": self.parent,
@@ -152,18 +169,20 @@ class Manifest:
         if not isinstance(doc, dict) or doc.get("kind") != _KIND:
             raise corrupt("is not a cocoon-ckpt manifest", "header")
         fv = doc.get("format_version")
-        if not isinstance(fv, int) or fv > FORMAT_VERSION:
+        if not isinstance(fv, int) or fv > max(READ_FORMATS):
             raise FormatVersionError(
                 f"version {version} of {where}: manifest format {fv!r} is newer than this "
                 f"library reads ({FORMAT_VERSION}); upgrade cocoon-ckpt"
             )
-        if fv < FORMAT_VERSION and not any(k in doc for k in _CHECKSUMS):
+        if fv < min(READ_FORMATS) and not any(k in doc for k in _CHECKSUMS):
             raise FormatVersionError(
                 f"version {version} of {where}: manifest format {fv} carries no record "
                 f"checksums, so its records cannot be verified; this library reads format "
-                f"{FORMAT_VERSION} only: finish the job with the cocoon-ckpt that wrote it, or "
-                "start it again in a new store"
+                f"{min(READ_FORMATS)} and later only: finish the job with the cocoon-ckpt "
+                "that wrote it, or start it again in a new store"
             )
+        if fv not in READ_FORMATS:  # checksummed, yet of a format that has none
+            raise corrupt(f"claims format {fv}, which carries no checksums", "header")
         _verify_checksums(doc, corrupt)
         try:
             m = cls._from_doc(doc)
@@ -222,6 +241,7 @@ class Manifest:
             job_fingerprint=doc.get("job_fingerprint"),
             arrays={k: ArrayMeta.from_json(v) for k, v in doc["arrays"].items()},
             records=dict(doc["records"]),
+            format_version=int(doc["format_version"]),
         )
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from .arrays import ensure_groups, write_array
+from .arrays import CHUNK_SEPARATOR, ensure_groups, write_array
 from .backend import Backend, open_backend
 from .errors import (
     CorruptVersionError,
@@ -187,6 +187,7 @@ class Store:
             dtype=str(arr.dtype),
             checksum=checksum,
             chunks=chunks,
+            separator=CHUNK_SEPARATOR,
         )
 
     # versions --------------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import hooks
-from .arrays import ensure_groups, write_array
+from .arrays import CHUNK_SEPARATOR, ensure_groups, write_array
 from .errors import CommitConflictError
 from .lease import Lease
 from .manifest import ArrayMeta, Manifest
@@ -92,6 +92,7 @@ class _VersionWriter:
             dtype=str(arr.dtype),
             checksum=checksum,
             chunks=chunks,
+            separator=CHUNK_SEPARATOR,
         )
         self._arrays[name] = meta
         self.bytes_written += arr.nbytes

@@ -88,7 +88,9 @@ def read_verified(store: Store, version: int, name: str, meta: ArrayMeta) -> np.
     group, sub = array_group(meta.path)
     try:
         layout = None if meta.chunks is None else (meta.shape, meta.dtype, meta.chunks)
-        arr, got = store.retry.call(lambda: read_array(store.backend, group, sub, layout))
+        arr, got = store.retry.call(
+            lambda: read_array(store.backend, group, sub, layout, meta.separator)
+        )
     except Exception as exc:  # zarr raises many kinds for a missing/torn chunk
         raise CorruptVersionError(
             f"{where} cannot be read ({type(exc).__name__}: {exc}); it is missing or torn",

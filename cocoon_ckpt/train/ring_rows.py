@@ -26,7 +26,7 @@ import numpy as np
 from cocoon_ckpt.dp.ring import HostRing, RingHistory
 from cocoon_ckpt.records import RingSlot, ShardRecord
 from state import ArrayMeta, CorruptVersionError, Manifest, Store, Version
-from state.arrays import CHUNK_BYTES
+from state.arrays import CHUNK_BYTES, chunk_key
 
 __all__ = [
     "SlotRef",
@@ -249,10 +249,11 @@ def rows_by_array(records: Mapping[str, Any]) -> dict[str, list[tuple[str, SlotR
 
 
 def _chunk_bytes(store: Store, meta: ArrayMeta, index: int) -> bytes | None:
-    """A chunk file of a 2-D array as stored (zarr v3 default key `c/<i>/0`: the rows'
-    bytes, edge padding, then a 4-byte crc32c); None if it cannot be read."""
+    """A chunk file of a 2-D array as stored (zarr v3 default key `c.<i>.0`, `c/<i>/0`
+    in a format-2 version: the rows' bytes, edge padding, then a 4-byte crc32c); None
+    if it cannot be read."""
     try:
-        return store.backend.read_bytes(f"{meta.path}/c/{index}/0")
+        return store.backend.read_bytes(f"{meta.path}/{chunk_key(index, 2, meta.separator)}")
     except (OSError, ValueError):
         return None
 

@@ -158,7 +158,7 @@ class StoreTests(RetentionTests):
         commit(writer, 1, {"a": np.arange(6.0)})
         commit(writer, 2, {"a": np.arange(6.0) + 1})
         path = writer.manifest(2).arrays["a"].path
-        chunk = next(p for p in writer.backend.find(path) if "/c/" in p)
+        chunk = next(p for p in writer.backend.find(path) if "/c." in p)
         flip_bit(writer, chunk, 3)
         with pytest.raises(CorruptVersionError, match="allow_fallback=True to use version 1") as e:
             writer.latest()

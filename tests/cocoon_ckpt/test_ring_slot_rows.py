@@ -26,7 +26,7 @@ from cocoon_ckpt.tools.audit.report import AuditReport
 from cocoon_ckpt.tools.bounds import VersionBounds
 from cocoon_ckpt.train.ring_rows import borrowable, encode_slots, load_ring, slot_refs
 from state import Manifest, Store, Version, restamp
-from state.arrays import write_array
+from state.arrays import CHUNK_SEPARATOR, write_array
 
 from .conftest import job_config
 
@@ -157,7 +157,7 @@ def test_audit_names_the_damaged_slot(tmp_path: Path) -> None:
         noise.step()
     m = _commit(store, noise, None)
     name = ring_rows_name(0, 0, 4)
-    chunk = tmp_path / "s.zarr" / m.arrays[name].path / "c" / "0" / "0"
+    chunk = tmp_path / "s.zarr" / m.arrays[name].path / "c.0.0"
     raw = bytearray(chunk.read_bytes())
     raw[2 * WIDTH * 4 + 5] ^= 0xFF  # inside row 2: the slot of step 2
     chunk.write_bytes(bytes(raw))
@@ -192,6 +192,7 @@ def _to_one_array_per_slot(root: Path) -> None:
                     "dtype": str(values.dtype),
                     "checksum": checksum,
                     "chunks": list(chunks),
+                    "chunk_key_separator": CHUNK_SEPARATOR,  # as write_array writes now
                 }
             entries.append([slot, step, ring_name(0, step)])
         for name in [n for n in doc["arrays"] if n.startswith("ring/")]:

@@ -74,7 +74,7 @@ def test_full_disk_is_enospc_and_the_last_version_survives(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("kind", ["torn", "lost", "flip_rest"])
 def test_every_at_rest_corruption_is_detected(kind: str) -> None:
-    plan = FaultPlan(seed=11, paths=("/c/",), **{kind: 0.15})
+    plan = FaultPlan(seed=11, paths=("/c.",), **{kind: 0.15})
     fs = faulty_filesystem("memory://", plan)
     url = _url()
     store = Store.open(url, fs=fs)
@@ -93,7 +93,7 @@ def test_every_at_rest_corruption_is_detected(kind: str) -> None:
         try:
             store.read(v)
         except CorruptVersionError as exc:
-            assert exc.version == v and "/c/" in exc.path + str(exc)
+            assert exc.version == v and "/c." in exc.path + str(exc)
             failed.add(v)
     assert failed == damaged  # every damaged version found, no false alarm
 
@@ -106,6 +106,6 @@ def test_bit_flips_on_read_are_detected() -> None:
     txn = store.begin(1)
     txn.put_array("ring/w", np.arange(4000, dtype=np.float64))
     txn.commit()
-    flipping = faulty_filesystem("memory://", FaultPlan(seed=5, flip_read=1.0, paths=("/c/",)))
+    flipping = faulty_filesystem("memory://", FaultPlan(seed=5, flip_read=1.0, paths=("/c.",)))
     with pytest.raises(CorruptVersionError, match="crc32c"):
         Store.open(url, fs=flipping, create=False).latest()

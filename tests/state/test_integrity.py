@@ -259,7 +259,7 @@ def test_symlink_leading_outside_the_store_is_refused(store: Store, tmp_path: Pa
     shutil.move(outside, folder)
     store.read(2)
     # one chunk file linked to a copy outside
-    chunk = root / meta.path / "c" / "0" / "0"
+    chunk = root / meta.path / "c.0.0"
     shutil.copy(chunk, tmp_path / "chunk")
     chunk.unlink()
     chunk.symlink_to(tmp_path / "chunk")

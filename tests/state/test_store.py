@@ -120,7 +120,7 @@ def _damage(store: Store, kind: str, version: int) -> str:
     man = store.manifest(version)
     path = man.arrays["ring/w"].path
     b = store.backend
-    chunk = f"{path}/c/0"
+    chunk = f"{path}/c.0"
     if kind == "truncate":
         data = b.read_bytes(chunk)
         b.rm(chunk)
