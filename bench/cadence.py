@@ -1,0 +1,86 @@
+"""What checkpointing often costs a whole job: `train` checkpointing every `--every`
+steps against checkpointing once (at the end), whole processes, in alternating pairs.
+
+    python bench/cadence.py [--jobs mlp digits] [--pairs 3] [--every 10]
+
+Jobs (#16's two: the target is <= 1.3x the wall time for both):
+- `mlp`: `train --example mlp --steps 300` (the built-in example).
+- `digits`: `train --job examples.digits.run:build --steps 1500 --batch-size 20
+  --dataset-size 1437 --lr 0.5 --bands 4` (a digits-sized MLP, 1.7-3 ms a step here,
+  so every 10 steps is a checkpoint every ~20-30 ms of training). Needs scikit-learn
+  (`pip install -e ".[examples]"`).
+
+Each pair runs the two cadences in turn (the order alternates), each in a fresh store
+with one shared key file, `--no-progress`; the ratio is taken pair by pair, so a drift
+in the machine's speed cancels. Prints per job the wall ratio's median and range, the
+cpu ratio (user + system of the child) and the median seconds of each cadence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+JOBS = {
+    "mlp": (["--example", "mlp"], 300),
+    "digits": (
+        ["--job", "examples.digits.run:build", "--batch-size", "20", "--dataset-size", "1437",
+         "--lr", "0.5", "--bands", "4"],
+        1500,
+    ),
+}  # fmt: skip
+
+
+def _run(args: list[str], steps: int, every: int, store: str, key: str) -> tuple[float, float]:
+    """(wall s, cpu s) of one whole `train` process."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-m", "cocoon_ckpt", "train", *args, "--steps", str(steps),
+         "--checkpoint-every", str(every), "--store", store, "--key-file", key,
+         "--no-progress"],
+        check=True, stdout=subprocess.DEVNULL, cwd=os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))),
+    )  # fmt: skip
+    wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--jobs", nargs="+", choices=sorted(JOBS), default=sorted(JOBS))
+    p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--every", type=int, default=10)
+    a = p.parse_args()
+    for name in a.jobs:
+        args, steps = JOBS[name]
+        walls: dict[int, list[float]] = {a.every: [], steps: []}
+        cpus: dict[int, list[float]] = {a.every: [], steps: []}
+        with tempfile.TemporaryDirectory() as tmp:
+            key = os.path.join(tmp, "key")
+            _run(args, steps, steps, os.path.join(tmp, "warm.zarr"), key)  # warm caches
+            for i in range(a.pairs):
+                for every in (a.every, steps) if i % 2 == 0 else (steps, a.every):
+                    store = os.path.join(tmp, f"{i}-{every}.zarr")
+                    wall, cpu = _run(args, steps, every, store, key)
+                    walls[every].append(wall)
+                    cpus[every].append(cpu)
+        ratios = [x / y for x, y in zip(walls[a.every], walls[steps], strict=True)]
+        cpu_ratios = [x / y for x, y in zip(cpus[a.every], cpus[steps], strict=True)]
+        print(
+            f"{name}: {steps} steps, every {a.every} / once, {a.pairs} pairs: wall "
+            f"{statistics.median(ratios):.2f}x median ({min(ratios):.2f}-{max(ratios):.2f}); "
+            f"cpu {statistics.median(cpu_ratios):.2f}x; "
+            f"{statistics.median(walls[a.every]):.1f} s vs {statistics.median(walls[steps]):.1f} s"
+        )
+
+
+if __name__ == "__main__":
+    main()
