@@ -25,8 +25,8 @@ from typing import Any
 
 __all__ = ["canonical_text"]
 
-_JSON_SEP = ", "
-_INF = float("inf")  # the C encoder's item separator without an indent
+_JSON_SEP = ", "  # the C encoder's item separator without an indent
+_INF = float("inf")
 
 
 def _flat(items: list[Any]) -> bool:
