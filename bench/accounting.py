@@ -18,8 +18,9 @@ dp-accounting used directly, side by side in one process.
    `calibrate_dp_mechanism` on the reported grid (the engine's search before), with the
    epsilon each answer gets under the reported accounting, and the same search on the
    engine before 2026-12-03.
-4. `--job N`: the real mlp example (`python -m cocoon_ckpt._cli.main train --example mlp`)
-   at both cadences, N alternating pairs of whole processes, wall and cpu ratios.
+4. `--job N`: the real mlp example at both cadences, N alternating pairs of whole
+   processes, wall and cpu ratios (`bench/cadence.py`'s comparison, for `--steps` and
+   `--every`).
 """
 
 from __future__ import annotations
@@ -27,15 +28,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import os
-import resource
-import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 
+import cadence  # bench/cadence.py, beside this script
 import dp_accounting
 from dp_accounting import pld
 
@@ -74,21 +70,6 @@ def _cadence_cost(
     for s in [*range(every, steps + 1, every), steps]:
         epsilon(*args, s, bands, delta)
     return time.perf_counter() - t
-
-
-def _job(every: int, steps: int, store: str) -> tuple[float, float]:
-    """(wall s, cpu s) of one whole `train --example mlp` process."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t = time.perf_counter()
-    subprocess.run(
-        [sys.executable, "-m", "cocoon_ckpt._cli.main", "train", "--example", "mlp",
-         "--steps", str(steps), "--checkpoint-every", str(every), "--store", store],
-        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    wall = time.perf_counter() - t
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return wall, cpu
 
 
 def _direct(sigma: float, n: int, batch: int, steps: int, bands: int, delta: float) -> float:
@@ -196,22 +177,7 @@ def main() -> None:
         )
 
     if a.job:
-        walls: dict[int, list[float]] = {a.every: [], a.steps: []}
-        cpus: dict[int, list[float]] = {a.every: [], a.steps: []}
-        with tempfile.TemporaryDirectory() as tmp:
-            for i in range(a.job):
-                for every in (a.every, a.steps) if i % 2 == 0 else (a.steps, a.every):
-                    wall, cpu = _job(every, a.steps, os.path.join(tmp, f"{i}-{every}.zarr"))
-                    walls[every].append(wall)
-                    cpus[every].append(cpu)
-        ratios = [x / y for x, y in zip(walls[a.every], walls[a.steps], strict=True)]
-        cpu_ratio = statistics.median(cpus[a.every]) / statistics.median(cpus[a.steps])
-        print(
-            f"mlp job, {a.steps} steps, every {a.every} / once, {a.job} pairs: wall "
-            f"{statistics.median(ratios):.2f}x median ({min(ratios):.2f}-{max(ratios):.2f}x; "
-            f"{statistics.median(walls[a.every]):.1f} s vs {statistics.median(walls[a.steps]):.1f} s), "
-            f"cpu {cpu_ratio:.2f}x"
-        )
+        print(cadence.compare("mlp", a.job, a.every, a.steps))
 
 
 if __name__ == "__main__":

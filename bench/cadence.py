@@ -53,6 +53,32 @@ def _run(args: list[str], steps: int, every: int, store: str, key: str) -> tuple
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
+def compare(name: str, pairs: int, every: int, steps: int | None = None) -> str:
+    """One job's line: `pairs` alternating pairs of every `every` steps against once
+    (`steps` overrides the job's step count)."""
+    args, default_steps = JOBS[name]
+    steps = default_steps if steps is None else steps
+    walls: dict[int, list[float]] = {every: [], steps: []}
+    cpus: dict[int, list[float]] = {every: [], steps: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        key = os.path.join(tmp, "key")
+        _run(args, steps, steps, os.path.join(tmp, "warm.zarr"), key)  # warm caches
+        for i in range(pairs):
+            for cadence in (every, steps) if i % 2 == 0 else (steps, every):
+                store = os.path.join(tmp, f"{i}-{cadence}.zarr")
+                wall, cpu = _run(args, steps, cadence, store, key)
+                walls[cadence].append(wall)
+                cpus[cadence].append(cpu)
+    ratios = [x / y for x, y in zip(walls[every], walls[steps], strict=True)]
+    cpu_ratios = [x / y for x, y in zip(cpus[every], cpus[steps], strict=True)]
+    return (
+        f"{name}: {steps} steps, every {every} / once, {pairs} pairs: wall "
+        f"{statistics.median(ratios):.2f}x median ({min(ratios):.2f}-{max(ratios):.2f}); "
+        f"cpu {statistics.median(cpu_ratios):.2f}x; "
+        f"{statistics.median(walls[every]):.1f} s vs {statistics.median(walls[steps]):.1f} s"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--jobs", nargs="+", choices=sorted(JOBS), default=sorted(JOBS))
@@ -60,26 +86,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=10)
     a = p.parse_args()
     for name in a.jobs:
-        args, steps = JOBS[name]
-        walls: dict[int, list[float]] = {a.every: [], steps: []}
-        cpus: dict[int, list[float]] = {a.every: [], steps: []}
-        with tempfile.TemporaryDirectory() as tmp:
-            key = os.path.join(tmp, "key")
-            _run(args, steps, steps, os.path.join(tmp, "warm.zarr"), key)  # warm caches
-            for i in range(a.pairs):
-                for every in (a.every, steps) if i % 2 == 0 else (steps, a.every):
-                    store = os.path.join(tmp, f"{i}-{every}.zarr")
-                    wall, cpu = _run(args, steps, every, store, key)
-                    walls[every].append(wall)
-                    cpus[every].append(cpu)
-        ratios = [x / y for x, y in zip(walls[a.every], walls[steps], strict=True)]
-        cpu_ratios = [x / y for x, y in zip(cpus[a.every], cpus[steps], strict=True)]
-        print(
-            f"{name}: {steps} steps, every {a.every} / once, {a.pairs} pairs: wall "
-            f"{statistics.median(ratios):.2f}x median ({min(ratios):.2f}-{max(ratios):.2f}); "
-            f"cpu {statistics.median(cpu_ratios):.2f}x; "
-            f"{statistics.median(walls[a.every]):.1f} s vs {statistics.median(walls[steps]):.1f} s"
-        )
+        print(compare(name, a.pairs, a.every))
 
 
 if __name__ == "__main__":
