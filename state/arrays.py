@@ -25,6 +25,7 @@ import zarr
 
 from .backend import Backend
 from .checksum import array_checksum
+from .manifest import ArrayMeta
 
 __all__ = [
     "CHUNK_BYTES",
@@ -35,6 +36,7 @@ __all__ = [
     "default_dimension_names",
     "read_array",
     "write_array",
+    "written_meta",
 ]
 
 #: Target chunk size. Large enough that per-chunk overhead vanishes against the bytes,
@@ -135,14 +137,13 @@ def array_metadata(
     dtype: np.dtype[Any],
     chunks: tuple[int, ...],
     dimension_names: list[str],
-    separator: str = CHUNK_SEPARATOR,
 ) -> dict[str, Any]:
     """The zarr v3 array metadata (zarr.json) of an array this module writes."""
     return {
         "shape": list(shape),
         "data_type": dtype.name,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": separator}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": CHUNK_SEPARATOR}},
         "fill_value": _fill_value(dtype),
         "codecs": _expected_codecs(dtype),
         "attributes": {},
@@ -214,7 +215,7 @@ def write_array(
                 f"per axis of its shape {arr.shape}"
             )
     chunks = _chunks(arr.shape, arr.dtype.itemsize)
-    meta = array_metadata(arr.shape, arr.dtype, chunks, names, CHUNK_SEPARATOR)
+    meta = array_metadata(arr.shape, arr.dtype, chunks, names)
     backend.write_staged(f"{group}/{name}/zarr.json", [json.dumps(meta).encode()], exclusive=True)
     n_chunks, rows = _layout(arr.shape, chunks)
     array_crc = 0
@@ -236,6 +237,20 @@ def write_array(
         key = chunk_key(i, arr.ndim, CHUNK_SEPARATOR)
         backend.write_staged(f"{group}/{name}/{key}", parts, exclusive=True)
     return f"crc32c:{array_crc:08x}", chunks
+
+
+def written_meta(path: str, array: np.ndarray, checksum: str, chunks: tuple[int, ...]) -> ArrayMeta:
+    """What a manifest records of `array`, written by `write_array` at store path `path`
+    (its checksum and chunk shape as returned): its layout, and the chunk key separator
+    this module writes."""
+    return ArrayMeta(
+        path=path,
+        shape=tuple(array.shape),
+        dtype=str(array.dtype),
+        checksum=checksum,
+        chunks=chunks,
+        separator=CHUNK_SEPARATOR,
+    )
 
 
 def read_array(

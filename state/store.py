@@ -14,7 +14,7 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from .arrays import CHUNK_SEPARATOR, ensure_groups, write_array
+from .arrays import ensure_groups, write_array, written_meta
 from .backend import Backend, open_backend
 from .errors import (
     CorruptVersionError,
@@ -181,14 +181,7 @@ class Store:
         checksum, chunks = self.retry.call(write)
         path = shared_path(name)
         self.backend.fsync_tree(path)
-        return ArrayMeta(
-            path=path,
-            shape=tuple(arr.shape),
-            dtype=str(arr.dtype),
-            checksum=checksum,
-            chunks=chunks,
-            separator=CHUNK_SEPARATOR,
-        )
+        return written_meta(path, arr, checksum, chunks)
 
     # versions --------------------------------------------------------------------
     def versions(self) -> list[int]:

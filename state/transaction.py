@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import hooks
-from .arrays import CHUNK_SEPARATOR, ensure_groups, write_array
+from .arrays import ensure_groups, write_array, written_meta
 from .errors import CommitConflictError
 from .lease import Lease
 from .manifest import ArrayMeta, Manifest
@@ -86,14 +86,7 @@ class _VersionWriter:
                 return write_array(backend, self.folder, name, arr)
 
         checksum, chunks = self.store.retry.call(write)
-        meta = ArrayMeta(
-            path=f"{self.folder}/{name}",
-            shape=tuple(arr.shape),
-            dtype=str(arr.dtype),
-            checksum=checksum,
-            chunks=chunks,
-            separator=CHUNK_SEPARATOR,
-        )
+        meta = written_meta(f"{self.folder}/{name}", arr, checksum, chunks)
         self._arrays[name] = meta
         self.bytes_written += arr.nbytes
         hooks.point(AFTER_ARRAY, name=name, **self._hook_ctx())

@@ -26,7 +26,7 @@ from cocoon_ckpt.tools.audit.report import AuditReport
 from cocoon_ckpt.tools.bounds import VersionBounds
 from cocoon_ckpt.train.ring_rows import borrowable, encode_slots, load_ring, slot_refs
 from state import Manifest, Store, Version, restamp
-from state.arrays import CHUNK_SEPARATOR, write_array
+from state.arrays import write_array, written_meta
 
 from .conftest import job_config
 
@@ -186,14 +186,7 @@ def _to_one_array_per_slot(root: Path) -> None:
                 values = np.ascontiguousarray(ver.array(name)[row])
                 old = ring_name(0, step)
                 checksum, chunks = write_array(store.backend, folder, old, values)
-                per_slot[step] = {
-                    "path": f"{folder}/{old}",
-                    "shape": [WIDTH_OF(values)],
-                    "dtype": str(values.dtype),
-                    "checksum": checksum,
-                    "chunks": list(chunks),
-                    "chunk_key_separator": CHUNK_SEPARATOR,  # as write_array writes now
-                }
+                per_slot[step] = written_meta(f"{folder}/{old}", values, checksum, chunks).to_json()
             entries.append([slot, step, ring_name(0, step)])
         for name in [n for n in doc["arrays"] if n.startswith("ring/")]:
             del doc["arrays"][name]
@@ -203,10 +196,6 @@ def _to_one_array_per_slot(root: Path) -> None:
         path.write_bytes(restamp(doc))
     for block in root.glob("versions/*/ring/shard-0000/w-*-*"):
         shutil.rmtree(block)  # no rows array left: the old form must stand alone
-
-
-def WIDTH_OF(values: np.ndarray) -> int:  # noqa: N802
-    return int(values.shape[0])
 
 
 def test_old_one_array_per_slot_store_resumes_and_audits(tmp_path: Path) -> None:
