@@ -25,13 +25,6 @@ settings.load_profile(
 )
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slow files first, each file's tests kept together and in order: with `-n`
-    the workers take whole files in this order, so the longest start early instead of
-    running alone at the end of the suite."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
