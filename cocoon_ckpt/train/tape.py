@@ -25,6 +25,20 @@ _REFUSED_TAGS = {
 }
 
 
+def _integer_index(func: Any, args: Any) -> bool:
+    """`x[i, j]` with integer index tensors (`aten.index.Tensor`, tagged as shaped by
+    data for the sake of boolean masks): its shape is the indices' broadcast shape, so
+    it replays like any op; a boolean or byte index (a mask) stays refused. The DLRM
+    interaction's `z[:, rows, cols]` of `triu_indices` is one."""
+    if func is not torch.ops.aten.index.Tensor:
+        return False
+    indices = args[1] if len(args) > 1 else ()
+    return all(
+        i is None or (isinstance(i, torch.Tensor) and i.dtype in (torch.int64, torch.int32))
+        for i in indices
+    )
+
+
 #: the spec of a single tensor output (most ops'), built once
 _LEAF = tree_flatten(torch.empty(0))[1]
 #: argument types that are leaves for pytree as for the recorder
@@ -151,7 +165,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kind = _KINDS.get(func)
         if kind is None:
             kind = _KINDS[func] = _OpKind.of(func)
-        if kind.refusal is not None:
+        if kind.refusal is not None and not _integer_index(func, args):
             self.refusal = f"the model {kind.refusal}: {func}"
         elif kind.writes:
             self.refusal = self._writes_input(func, kind.writes, args, kwargs)

@@ -176,9 +176,57 @@ class ReadsBuffer(nn.Module):
         return out
 
 
+class Interaction(nn.Module):
+    """Pairwise products of feature vectors, upper triangle picked by integer index
+    tensors (DLRM's interaction): `z[:, rows, cols]` is `aten.index.Tensor`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 4 * 3)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        v = self.embed(x).view(-1, 4, 3)
+        z = torch.bmm(v, v.transpose(1, 2))
+        rows, cols = torch.triu_indices(4, 4, offset=1)
+        out: torch.Tensor = self.head(z[:, rows, cols])
+        return out
+
+
+class Masked(nn.Module):
+    """Picks features by a boolean mask: the output's shape counts the mask's Trues."""
+
+    keep: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("keep", torch.tensor([True, False, True, True, False, True]))
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.lin(x[:, self.keep])
+        return out
+
+
+def test_integer_indexing_is_replayed_with_the_eager_bits() -> None:
+    eager, traced = _pair(Interaction())
+    g = torch.Generator().manual_seed(0)
+    for n in (5, 7, 5, 9, 7, 12):
+        batch = [torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)]
+        want, got = eager.clipped_sum(batch, 0.5), traced.clipped_sum(batch, 0.5)
+        assert _same(got.summed, want.summed) and got.loss == want.loss
+    (fn,) = traced._chunk_fns.values()
+    assert isinstance(fn, TracedChunk) and fn.replaying and fn.reason is None
+    assert fn.checked == {5, 7, 9, 12}
+
+
 @pytest.mark.parametrize(
     ("model", "why"),
-    [(Dropout(), "draws random numbers"), (ReadsBuffer(), "reads a tensor's value")],
+    [
+        (Dropout(), "draws random numbers"),
+        (ReadsBuffer(), "reads a tensor's value"),
+        (Masked(), "shape depends on data"),
+    ],
 )
 def test_what_cannot_be_replayed_runs_eagerly_with_a_logged_reason(
     model: nn.Module, why: str, caplog: pytest.LogCaptureFixture
