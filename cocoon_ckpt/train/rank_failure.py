@@ -50,10 +50,9 @@ def packed(exc: BaseException, depth: int = CHAIN_DEPTH) -> Failure:
     attrs = dict(getattr(exc, "__dict__", {}))
     if isinstance(exc, OSError):
         attrs.update((n, v) for n in _OS_FIELDS if (v := getattr(exc, n)) is not None)
-    below = depth > 0
 
     def inner(e: BaseException | None) -> Failure | None:
-        return packed(e, depth - 1) if below and e is not None else None
+        return packed(e, depth - 1) if depth > 0 and e is not None else None
 
     own = (type(exc), tuple(exc.args), attrs)
     try:
