@@ -54,9 +54,11 @@ class _Local(Exception):
 
 
 def test_the_errors_it_wraps_arrive_too_and_decide_the_same_exit() -> None:
-    """s3fs raises botocore's credential error as its own PermissionError: the exit code
-    and line come from the wrapped class, so the other ranks need the chain too."""
-    botocore = pytest.importorskip("botocore.exceptions")
+    """s3fs re-raises botocore's errors wrapped in its own, and the CLI takes the exit
+    code and line of a credential error from the wrapped one: the other ranks need the
+    chain too. (botocore comes with the test extra's s3fs and moto.)"""
+    import botocore.exceptions as botocore
+
     from cocoon_ckpt._cli.exits import exit_code, message
 
     try:
