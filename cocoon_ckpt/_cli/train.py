@@ -208,7 +208,14 @@ def add_parser(sub: Subparsers) -> None:
         help="the writer lease of a holder on another host counts as dead this long after "
         f"its last renewal (default {field_default(JobConfig, 'lease_expiry_s')})",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--quiet",
+        "--no-progress",
+        dest="no_progress",
+        action="store_true",
+        help="no progress on stderr: neither the bar (on a terminal) nor the line per "
+        "checkpoint (otherwise)",
+    )
     add_json(p, "result")
 
 
@@ -276,7 +283,13 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_progress and not follower:
         from cocoon_ckpt._cli.progress import Progress
 
-        progress = Progress(config.dp.steps, config.checkpoint_every)
+        progress = Progress(
+            config.dp.steps,
+            config.checkpoint_every,
+            store=store,
+            job=config.job,
+            storage_options=storage_options(args),
+        )
 
     from cocoon_ckpt.train.allowances import ResumeAllowances
     from cocoon_ckpt.train.runner import run_job

@@ -15,7 +15,7 @@ from cocoon_ckpt.examples import mlp
 def test_the_bar_shows_the_runs_epsilon_at_its_end(tmp_path: Path) -> None:
     dp = DPConfig(steps=16, batch_size=16, dataset_size=512, noise_multiplier=1.0, bands=4)
     cfg = JobConfig(job="example:mlp", dp=dp, checkpoint_every=5)
-    bar = Progress(16, 5, enabled=True)
+    bar = Progress(16, 5, mode="bar")
     with open_job(cfg, str(tmp_path / "s.zarr"), mlp.build(cfg)) as job:
         for res in job.steps(until=3):
             bar.on_step(res, job.trainer)
