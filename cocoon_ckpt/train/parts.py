@@ -39,35 +39,41 @@ class JobParts:
 
     `dataset` is the data's name; `data` is kept as its alias (builders written before
     Datasets were accepted): give one of them.
+
+    Attributes:
+        model: The model. A `torch.compile`d one is kept as the module it compiles (its `_orig_mod`,
+            sharing its parameters), so stores and exports name parameters without the `_orig_mod.`
+            prefix and a store resumes with or without compiling.
+        optimizer: The optimizer over `model`'s parameters; its class and hyperparameters must be
+            the ones `JobConfig.optimizer` and `JobConfig.lr` name.
+        loss_fn: loss_fn(output, target) -> the batch's mean loss, a scalar tensor (e.g.
+            `nn.functional.cross_entropy`); per-sample gradients are taken through it.
+        data: Alias of `dataset`.
+        tables: The model's embedding tables and where their ids are; used when the job config asks
+            for embedding noise without naming tables.
+        dataset: A map-style Dataset whose items are tuples (the last element is the target), or
+            tensors indexed by example along dim 0 (the last is the target). Its `len()` is N.
+        scheduler: A learning-rate scheduler of `optimizer`, stepped once per DP step after the
+            optimizer's step; its state is in every version.
+        stateful: Other state to checkpoint (EMA weights, a GradScaler, counters), by name (letters,
+            digits, `_.-`): each `state_dict()` is saved in every version and loaded on resume.
+            Tensors are stored as arrays, the rest as JSON.
+        num_workers: DataLoader worker processes (batches are the same with any number).
+        pin_memory: Pin each batch's tensors (for a copy to an accelerator).
+        collate_fn: Turns a list of Dataset items into a tuple of tensors (default_collate if None).
     """
 
     model: nn.Module
-    """The model. A `torch.compile`d one is kept as the module it compiles (its
-    `_orig_mod`, sharing its parameters), so stores and exports name parameters without
-    the `_orig_mod.` prefix and a store resumes with or without compiling."""
     optimizer: torch.optim.Optimizer
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     data: Dataset[Any] | Sequence[torch.Tensor] | None = None
-    """Alias of `dataset`."""
     tables: Sequence[TableSpec] = field(default_factory=tuple)
-    """The model's embedding tables and where their ids are; used when the job config
-    asks for embedding noise without naming tables."""
     dataset: Dataset[Any] | Sequence[torch.Tensor] | None = None
-    """A map-style Dataset whose items are tuples (the last element is the target), or
-    tensors indexed by example along dim 0 (the last is the target). Its `len()` is N."""
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
-    """A learning-rate scheduler of `optimizer`, stepped once per DP step after the
-    optimizer's step; its state is in every version."""
     stateful: Mapping[str, Stateful] = field(default_factory=dict)
-    """Other state to checkpoint (EMA weights, a GradScaler, counters), by name (letters,
-    digits, `_.-`): each `state_dict()` is saved in every version and loaded on resume.
-    Tensors are stored as arrays, the rest as JSON."""
     num_workers: int = 0
-    """DataLoader worker processes (batches are the same with any number)."""
     pin_memory: bool = False
-    """Pin each batch's tensors (for a copy to an accelerator)."""
     collate_fn: Callable[[list[Any]], Any] | None = None
-    """Turns a list of Dataset items into a tuple of tensors (default_collate if None)."""
 
     def __post_init__(self) -> None:
         # Per-sample gradients (torch.func.functional_call under vmap(grad(...))) gain
@@ -177,6 +183,11 @@ def _import(job: str, module: str, where: str) -> Any:
         missing = exc.name or ""
         if module == missing or module.startswith(missing + "."):
             file = module.replace(".", "/") + ".py"
+            hidden = _shadowed(module)
+            if hidden is not None:
+                raise ConfigError(
+                    f"job {job!r}: cannot import module {module!r}: {hidden}"
+                ) from None
             raise ConfigError(
                 f"job {job!r}: cannot import module {module!r}: no {missing!r} {where}; "
                 f"run from the folder that holds {file}, or install the package that "
@@ -190,6 +201,25 @@ def _import(job: str, module: str, where: str) -> Any:
         raise ConfigError(
             f"job {job!r}: cannot import module {module!r} ({exc}); fix that import"
         ) from None
+
+
+def _shadowed(module: str) -> str | None:
+    """Why `module` was not found although the current directory holds its top-level
+    folder: a regular package of that name elsewhere was imported instead (a folder
+    without `__init__.py` is a namespace package, which any regular package of the same
+    name on sys.path hides). None when that is not the case."""
+    top = module.partition(".")[0]
+    mod = sys.modules.get(top)
+    folder = os.path.join(os.getcwd(), top)
+    where = getattr(mod, "__file__", None)
+    if mod is None or where is None or not os.path.isdir(folder):
+        return None
+    if os.path.dirname(os.path.abspath(where)) == os.path.abspath(folder):
+        return None
+    return (
+        f"{top!r} was imported from {where}, another package of that name, which hides "
+        f"the folder {folder}; add an empty {top}/__init__.py to your folder, or rename it"
+    )
 
 
 def make_optimizer(name: str, params: Sequence[nn.Parameter], lr: float) -> torch.optim.Optimizer:

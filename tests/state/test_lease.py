@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -139,19 +140,47 @@ def test_expired_lease_of_a_dead_foreign_host_is_taken_without_takeover(
     lease.release()
 
 
+class _Clock:
+    """lease.py's `time` module with a wall clock that moves only when the test says:
+    renewal and expiry are judged at chosen instants, however late the heartbeat
+    thread runs on a busy machine."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def _until(done: Any, what: str) -> None:
+    """Poll `done()` (no deadline of its own: pytest-timeout bounds the test)."""
+    while not done():
+        time.sleep(0.01)
+
+
 def test_live_writer_keeps_renewing_and_is_fenced_once_it_stops(
     store_location: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Judge this process's own lease as another host would: by its expiry alone.
     monkeypatch.setattr(state.lease, "owner_alive", lambda *_: None)
+    clock = _Clock(1_000_000.0)
+    monkeypatch.setattr(state.lease, "time", clock)
     first = _open(store_location)
-    lease = first.acquire_lease(expiry_s=0.3)
-    time.sleep(0.7)  # more than two expiries: only the heartbeat thread keeps it alive
+    lease = first.acquire_lease(expiry_s=0.3)  # the heartbeat wakes every 0.1 s
+    # Past the acquisition's expiry: only the heartbeat thread's renewal keeps it alive.
+    clock.now += 0.25
+    _until(lambda: lease.renewed == clock.now, "the heartbeat renews")
+    clock.now += 0.25
     with pytest.raises(LeaseHeldError, match="a second writer is refused"):
         _open(store_location).acquire_lease()
-    assert lease.renewed > time.time() - 0.3
     lease._stop.set()  # the holder hangs: its heartbeat stops, its lease expires
-    time.sleep(0.5)
+    for thread in threading.enumerate():
+        if thread.name == f"lease-heartbeat-g{lease.generation}":
+            thread.join()
+    clock.now = lease.renewed + 0.3
     second = _open(store_location)
     assert second.acquire_lease(expiry_s=0.3).generation == 2
     with pytest.raises(FencedError, match="taken over by generation 2"):
