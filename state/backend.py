@@ -33,14 +33,17 @@ LOCAL_PROTOCOLS = frozenset({"file", "local"})
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Capabilities:
-    """What a backend can do; the commit protocol is chosen from these flags."""
+    """What a backend can do; the commit protocol is chosen from these flags.
+
+    Attributes:
+        exclusive_create: Create-if-absent is atomic (required to commit).
+        fsync: Files and folders must be fsynced by us to be durable (local disk).
+        permissions: POSIX modes apply (owner-only files are meaningful).
+    """
 
     exclusive_create: bool
-    """Create-if-absent is atomic (required to commit)."""
     fsync: bool
-    """Files and folders must be fsynced by us to be durable (local disk)."""
     permissions: bool
-    """POSIX modes apply (owner-only files are meaningful)."""
 
 
 def _resolve(

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .canonical_json import canonical_text
+from .canonical_json import canonical_text, load_bounded
 from .errors import CorruptVersionError, FormatVersionError, UnsafePathError
 from .paths import manifest_path, unsafe_path_reason
 
@@ -39,22 +39,25 @@ _CHECKSUMS = ("header_checksum", "record_checksums")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ArrayMeta:
-    """Where one array of a version lies and how to verify it."""
+    """Where one array of a version lies and how to verify it.
+
+    Attributes:
+        path: Store-relative zarr array path (under versions/<v>-g<gen>/ or shared/).
+        shape: Array shape.
+        dtype: numpy dtype string, e.g. `float32`.
+        checksum: `crc32c:xxxxxxxx` of the C-order bytes.
+        chunks: Chunk shape as written (None: read it from the array's zarr.json).
+        separator: Its chunk key separator: "/" (`c/0/0`, format 2) or "." (`c.0.0`, format 3).
+            Recorded (as `chunk_key_separator`) only when it is ".", so a format-2 array's entry
+            reads back to the same canonical bytes.
+    """
 
     path: str
-    """Store-relative zarr array path (under versions/<v>-g<gen>/ or shared/)."""
     shape: tuple[int, ...]
-    """Array shape."""
     dtype: str
-    """numpy dtype string, e.g. `float32`."""
     checksum: str
-    """`crc32c:xxxxxxxx` of the C-order bytes."""
     chunks: tuple[int, ...] | None = None
-    """Chunk shape as written (None: read it from the array's zarr.json)."""
     separator: str = "/"
-    """Its chunk key separator: "/" (`c/0/0`, format 2) or "." (`c.0.0`, format 3).
-    Recorded (as `chunk_key_separator`) only when it is ".", so a format-2 array's
-    entry reads back to the same canonical bytes."""
 
     @property
     def nbytes(self) -> int:
@@ -95,28 +98,32 @@ def _separator(value: object) -> str:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Manifest:
-    """Everything needed to read version `version` back, and nothing secret."""
+    """Everything needed to read version `version` back, and nothing secret.
+
+    Attributes:
+        version: Version number, parent + 1.
+        step: Training steps completed when the version was taken.
+        parent: The version this one was built on (for incremental references).
+        created: ISO-8601 UTC time of the commit.
+        write_id: Random id of the commit attempt: tells our own lost-response success from a
+            conflict.
+        writer: Owner and lease generation of the writer.
+        job_fingerprint: Fingerprint of the noise-affecting configuration.
+        arrays: Logical name -> array location and checksum.
+        records: Small JSON records (sampler, accountant, config, ring layout, ...).
+        format_version: The format it was written in (one of `READ_FORMATS`); its bytes keep it.
+    """
 
     version: int
-    """Version number, parent + 1."""
     step: int
-    """Training steps completed when the version was taken."""
     parent: int | None
-    """The version this one was built on (for incremental references)."""
     created: str
-    """ISO-8601 UTC time of the commit."""
     write_id: str
-    """Random id of the commit attempt: tells our own lost-response success from a conflict."""
     writer: dict[str, Any]
-    """Owner and lease generation of the writer."""
     job_fingerprint: str | None
-    """Fingerprint of the noise-affecting configuration."""
     arrays: dict[str, ArrayMeta] = field(default_factory=dict)
-    """Logical name -> array location and checksum."""
     records: dict[str, Any] = field(default_factory=dict)
-    """Small JSON records (sampler, accountant, config, ring layout, ...)."""
     format_version: int = FORMAT_VERSION
-    """The format it was written in (one of `READ_FORMATS`); its bytes keep it."""
 
     def to_bytes(self) -> bytes:
         """The canonical bytes, checksums included (the same values give the same bytes)."""
@@ -158,7 +165,7 @@ class Manifest:
             )
 
         try:
-            doc = json.loads(data)
+            doc = load_bounded(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             pos = exc.pos if isinstance(exc, json.JSONDecodeError) else exc.start
             region = _region(data, pos)

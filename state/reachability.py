@@ -56,27 +56,30 @@ class Reach(enum.Enum):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Space:
-    """Bytes of a store by what the manifests reach (each file counted once)."""
+    """Bytes of a store by what the manifests reach (each file counted once).
+
+    Attributes:
+        total: Every file of the store.
+        data: Files under versions/ and shared/ (arrays and their group metadata).
+        referenced: Files of the arrays some manifest names.
+        scaffolding: Group metadata the referenced arrays' readers need.
+        unreachable: What retention deletes: files under versions/ no manifest needs.
+        in_flight: Files of version folders above the newest manifest (a write in progress, or one
+            that crashed before its commit; the next commit at that number clears it).
+        unreferenced_shared: Files of shared/ arrays no manifest names.
+        unreadable: Versions whose manifest fails to verify. The arrays table of such a manifest is
+            still read where it parses (those arrays count as referenced); retention deletes nothing
+            while one exists, unless told to discard them.
+    """
 
     total: int
-    """Every file of the store."""
     data: int
-    """Files under versions/ and shared/ (arrays and their group metadata)."""
     referenced: int
-    """Files of the arrays some manifest names."""
     scaffolding: int
-    """Group metadata the referenced arrays' readers need."""
     unreachable: int
-    """What retention deletes: files under versions/ no manifest needs."""
     in_flight: int
-    """Files of version folders above the newest manifest (a write in progress, or
-    one that crashed before its commit; the next commit at that number clears it)."""
     unreferenced_shared: int
-    """Files of shared/ arrays no manifest names."""
     unreadable: tuple[int, ...] = ()
-    """Versions whose manifest fails to verify. The arrays table of such a manifest is
-    still read where it parses (those arrays count as referenced); retention deletes
-    nothing while one exists, unless told to discard them."""
 
     @property
     def data_ratio(self) -> float:

@@ -78,7 +78,11 @@ class RetentionPolicy(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class KeepLast:
-    """Keep the `count` newest versions (>= 2: the newest two always stay)."""
+    """Keep the `count` newest versions (>= 2: the newest two always stay).
+
+    Attributes:
+        count: How many of the newest versions to keep (>= 2).
+    """
 
     count: int = MIN_KEPT
 
@@ -94,7 +98,11 @@ class KeepLast:
 
 @dataclass(frozen=True, slots=True)
 class KeepEvery:
-    """Keep every version whose step is a multiple of `steps` (>= 1)."""
+    """Keep every version whose step is a multiple of `steps` (>= 1).
+
+    Attributes:
+        steps: Keep the versions whose step is a multiple of this (>= 1).
+    """
 
     steps: int
 
@@ -108,7 +116,11 @@ class KeepEvery:
 
 @dataclass(frozen=True, slots=True)
 class KeepVersions:
-    """Keep the named versions (those that exist)."""
+    """Keep the named versions (those that exist).
+
+    Attributes:
+        versions: The version numbers to keep.
+    """
 
     versions: frozenset[int]
 

@@ -54,24 +54,27 @@ class TableSpec:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EmbeddingConfig:
-    """Noise for sparse embedding tables (`cocoon_ckpt.embedding`)."""
+    """Noise for sparse embedding tables (`cocoon_ckpt.embedding`).
+
+    Attributes:
+        tables: The tables; every other trainable parameter gets the dense mechanism. Empty: the
+            tables the job declares (`JobParts.tables`).
+        mode: The noise path of every table (COALESCED and LAZY need final_model).
+        threat_model: `intermediate_iterates` (every checkpoint private; tables stay DENSE) or
+            `final_model` (only the exported final model is private; allows coalescing).
+        hot_threshold: A row read more than this many times is hot (online history); None: chosen
+            from a quick profile to minimise the step time.
+        tile_rows: Rows per precompute tile; None: as many as keep a tile's history near 8 MiB.
+        lr_schedule: The SGD learning rate of every step (length = steps); None: the optimizer's
+            constant learning rate. A coalesced table's entries are precomputed with it.
+    """
 
     tables: tuple[TableSpec, ...] = ()
-    """The tables; every other trainable parameter gets the dense mechanism. Empty: the
-    tables the job declares (`JobParts.tables`)."""
     mode: TableMode = TableMode.AUTO
-    """The noise path of every table (COALESCED and LAZY need final_model)."""
     threat_model: str = "intermediate_iterates"
-    """`intermediate_iterates` (every checkpoint private; tables stay DENSE) or
-    `final_model` (only the exported final model is private; allows coalescing)."""
     hot_threshold: int | None = None
-    """A row read more than this many times is hot (online history); None: chosen from
-    a quick profile to minimise the step time."""
     tile_rows: int | None = None
-    """Rows per precompute tile; None: as many as keep a tile's history near 8 MiB."""
     lr_schedule: tuple[float, ...] | None = None
-    """The SGD learning rate of every step (length = steps); None: the optimizer's
-    constant learning rate. A coalesced table's entries are precomputed with it."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tables", tuple(self.tables))

@@ -17,33 +17,36 @@ TIER_NAMES = ("device", "host", "far")
 class TierConfig:
     """Where the ring history may live. Changing it never changes the noise (the GEMV
     kernel has one order of rounding and fresh noise is keyed by block), so a resume may
-    give other tiers: the history is re-planned and moved, bit for bit the same."""
+    give other tiers: the history is re-planned and moved, bit for bit the same.
+
+    Attributes:
+        device_bytes: Device memory for history plus the merge buffer, bytes. 0: no device tier;
+            None: half of what is free (CUDA), or an eighth of free host memory on a CPU-only
+            machine, where the device tier is emulated by torch on the CPU.
+        host_bytes: Host DRAM for history, bytes. None: half of the free memory. 0: no host tier.
+        far_bytes: Far (emulated CXL) memory for history, bytes. 0: no far tier; None: 90% of the
+            free space in `far_dir`.
+        far_dir: Folder of the far tier's memory-mapped file (tmpfs emulates memory, a disk
+            capacity). Default: the system temp folder.
+        far_link_bytes_per_s: Model the far link at this bandwidth, bytes/s (None: no throttle).
+        mode: Where the GEMV runs: near the data (Cocoon), or a baseline pulling everything to the
+            device (GPU-GEMV) or to the host (CPU-GEMV).
+        unit_blocks: Allocation unit, in 65,536-coordinate noise blocks.
+        counts: A fixed split, units per tier name (device, host, far), instead of profiling.
+        profile_reps: GEMV repetitions per tier in the profile (the median is used).
+        device: torch device of the device tier (default: cuda when present, else cpu).
+    """
 
     device_bytes: int | None = 0
-    """Device memory for history plus the merge buffer, bytes. 0: no device tier;
-    None: half of what is free (CUDA), or an eighth of free host memory on a CPU-only
-    machine, where the device tier is emulated by torch on the CPU."""
     host_bytes: int | None = None
-    """Host DRAM for history, bytes. None: half of the free memory. 0: no host tier."""
     far_bytes: int | None = 0
-    """Far (emulated CXL) memory for history, bytes. 0: no far tier; None: 90% of the
-    free space in `far_dir`."""
     far_dir: str | None = None
-    """Folder of the far tier's memory-mapped file (tmpfs emulates memory, a disk
-    capacity). Default: the system temp folder."""
     far_link_bytes_per_s: float | None = None
-    """Model the far link at this bandwidth, bytes/s (None: no throttle)."""
     mode: GemvMode = GemvMode.NEAR_DATA
-    """Where the GEMV runs: near the data (Cocoon), or a baseline pulling everything to
-    the device (GPU-GEMV) or to the host (CPU-GEMV)."""
     unit_blocks: int = 1
-    """Allocation unit, in 65,536-coordinate noise blocks."""
     counts: dict[str, int] | None = None
-    """A fixed split, units per tier name (device, host, far), instead of profiling."""
     profile_reps: int = 3
-    """GEMV repetitions per tier in the profile (the median is used)."""
     device: str | None = None
-    """torch device of the device tier (default: cuda when present, else cpu)."""
 
     def __post_init__(self) -> None:
         for name in ("device_bytes", "host_bytes", "far_bytes"):

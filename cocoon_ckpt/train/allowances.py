@@ -12,17 +12,20 @@ __all__ = ["ResumeAllowances"]
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ResumeAllowances:
-    """Refusals of a resume that the user lifts; each costs what its field says."""
+    """Refusals of a resume that the user lifts; each costs what its field says.
+
+    Attributes:
+        fallback: Resume from an older version when the newest is damaged (the steps after the older
+            one run again).
+        generator_change: Resume although the fresh noise's generator backend differs from the
+            store's (the noise after the resume is another draw: I3, the bit-exact resume, is lost).
+        device_change: Resume on another device type than the store's (the same noise; the
+            gradients' last bits, so I3, are not).
+    """
 
     fallback: bool = False
-    """Resume from an older version when the newest is damaged (the steps after the older
-    one run again)."""
     generator_change: bool = False
-    """Resume although the fresh noise's generator backend differs from the store's (the
-    noise after the resume is another draw: I3, the bit-exact resume, is lost)."""
     device_change: bool = False
-    """Resume on another device type than the store's (the same noise; the gradients'
-    last bits, so I3, are not)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

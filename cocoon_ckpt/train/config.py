@@ -75,48 +75,51 @@ NOISE_RNGS = ("default", "secure")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DPConfig:
-    """The privacy-relevant configuration of a run."""
+    """The privacy-relevant configuration of a run.
+
+    Attributes:
+        steps: n, total training steps.
+        batch_size: B, expected batch size (Poisson sampling).
+        dataset_size: N, examples in the training set.
+        noise_multiplier: sigma: fresh noise std is sigma * max_grad_norm. Give it or
+            `target_epsilon`, not both; with a target it is None until the job's start calibrates it
+            (`sigma` reads it either way).
+        target_epsilon: The epsilon at `delta` the whole job (`steps` steps) must stay within: sigma
+            is calibrated once at job start (the smallest sigma >= 0.3 that meets it under
+            `accountant`) and recorded beside it, so every resume reuses it. A calibrated config
+            (and its record) carries both fields.
+        accountant: How epsilon is composed (`pld`: tight; `rdp`: looser), for the calibration and
+            the reported epsilon. Fingerprinted only with `target_epsilon`, where it chose sigma;
+            otherwise it changes the reported epsilon only, and a resume may change it.
+        max_grad_norm: Per-sample clipping norm (L2).
+        bands: b, BandMF bands (1 = DP-SGD): the sampler's partitions, so each example's steps are
+            at least b apart (a BLT's min-sep).
+        delta: Target delta of the reported epsilon.
+        mechanism: How the band coefficients are chosen (`optimized`: the least expected error for
+            these bands and steps; banded_sqrt's is 6-34% higher for b in 2..64), or `blt`: a
+            buffered linear Toeplitz strategy fitted for `steps` with `bands` as its min-sep,
+            accounted without amplification (`cocoon_ckpt.dp.blt_accounting`).
+        seed: Sampler and model-initialisation seed (not the noise key, which is secret).
+        physical_batch_size: Most examples whose per-sample gradients are taken at once (peak memory
+            follows it, not the Poisson batch); None: the whole batch at once. The sums of different
+            chunk sizes differ in the last bits, so it is part of the fingerprint.
+        noise_rng: Which generator draws the fresh noise (`cocoon_ckpt.dp.generator.NoiseRng`, or
+            its value): `default` (numpy SFC64) or `secure` (ChaCha20). Kept as its value.
+    """
 
     steps: int
-    """n, total training steps."""
     batch_size: int
-    """B, expected batch size (Poisson sampling)."""
     dataset_size: int
-    """N, examples in the training set."""
     noise_multiplier: float | None = None
-    """sigma: fresh noise std is sigma * max_grad_norm. Give it or `target_epsilon`, not
-    both; with a target it is None until the job's start calibrates it (`sigma` reads it
-    either way)."""
     target_epsilon: float | None = None
-    """The epsilon at `delta` the whole job (`steps` steps) must stay within: sigma is
-    calibrated once at job start (the smallest sigma >= 0.3 that meets it under
-    `accountant`) and recorded beside it, so every resume reuses it. A calibrated config
-    (and its record) carries both fields."""
     accountant: AccountingMethod | str = AccountingMethod.PLD
-    """How epsilon is composed (`pld`: tight; `rdp`: looser), for the calibration and the
-    reported epsilon. Fingerprinted only with `target_epsilon`, where it chose sigma;
-    otherwise it changes the reported epsilon only, and a resume may change it."""
     max_grad_norm: float = 1.0
-    """Per-sample clipping norm (L2)."""
     bands: int = 1
-    """b, BandMF bands (1 = DP-SGD): the sampler's partitions, so each example's steps
-    are at least b apart (a BLT's min-sep)."""
     delta: float = 1e-5
-    """Target delta of the reported epsilon."""
     mechanism: MechanismKind = MechanismKind.OPTIMIZED
-    """How the band coefficients are chosen (`optimized`: the least expected error for
-    these bands and steps; banded_sqrt's is 6-34% higher for b in 2..64), or `blt`: a
-    buffered linear Toeplitz strategy fitted for `steps` with `bands` as its min-sep,
-    accounted without amplification (`cocoon_ckpt.dp.blt_accounting`)."""
     seed: int = 0
-    """Sampler and model-initialisation seed (not the noise key, which is secret)."""
     physical_batch_size: int | None = None
-    """Most examples whose per-sample gradients are taken at once (peak memory follows
-    it, not the Poisson batch); None: the whole batch at once. The sums of different
-    chunk sizes differ in the last bits, so it is part of the fingerprint."""
     noise_rng: NoiseRng | str = "default"
-    """Which generator draws the fresh noise (`cocoon_ckpt.dp.generator.NoiseRng`, or
-    its value): `default` (numpy SFC64) or `secure` (ChaCha20). Kept as its value."""
     calibrated: InitVar[bool] = False
     """Not a field: True lets `noise_multiplier` and `target_epsilon` both be given, as a
     calibrated config carries them (`from_record` passes it for a record holding both)."""
@@ -231,48 +234,51 @@ class DPConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class JobConfig:
-    """A whole job: what to train, how privately, how often to checkpoint."""
+    """A whole job: what to train, how privately, how often to checkpoint.
+
+    Attributes:
+        job: What to train: `example:mlp`, `example:dlrm` or a `module:function` path.
+        dp: The privacy configuration.
+        lr: Learning rate of the job's optimizer (its first param group's, before any scheduler
+            step). The job must build its optimizer with it: a job whose optimizer runs another is
+            refused at build, so the recorded config says what ran.
+        optimizer: The job's optimizer: a `torch.optim` class name in lower case (`sgd`, `adam`,
+            `adamw`, ...; `OPTIMIZERS`), or `custom` for a class of the job's own (its class and
+            hyperparameters are recorded from the object). Checked like `lr`.
+        options: Job-specific options (model sizes, ...); part of the fingerprint.
+        checkpoint_every: Steps between checkpoints (harmless to change on resume).
+        keep_last: Versions retention keeps (harmless).
+        async_checkpoint: Write checkpoints in a background thread (harmless).
+        log_level: Logging level (harmless).
+        lease_expiry_s: Seconds after its last renewal that the writer lease of a holder on another
+            host counts as dead, so a job restarted elsewhere resumes without takeover; the holder
+            renews it every third of that (harmless).
+        tiers: Where the noise history lives (device, host, far); None: all on the host (harmless:
+            the noise is bit-identical on any tiers).
+        overlap_noise: Compute w_t in a worker thread while the per-sample gradients are taken
+            (harmless: bit-identical either way).
+        grad_threads: torch intra-op threads the per-sample gradients, clipping and optimizer step
+            run at (`train.grad_threads`); None: torch's count when a new job starts. The count is
+            recorded in every version and a resume runs at it on any machine (another explicit count
+            is refused there), so it is not part of the fingerprint.
+        embedding: Noise for sparse embedding tables (`cocoon_ckpt.embedding`); None: every
+            parameter, tables included, gets the dense mechanism over one flat vector.
+    """
 
     job: str
-    """What to train: `example:mlp`, `example:dlrm` or a `module:function` path."""
     dp: DPConfig
-    """The privacy configuration."""
     lr: float = 0.1
-    """Learning rate of the job's optimizer (its first param group's, before any
-    scheduler step). The job must build its optimizer with it: a job whose optimizer
-    runs another is refused at build, so the recorded config says what ran."""
     optimizer: str = "sgd"
-    """The job's optimizer: a `torch.optim` class name in lower case (`sgd`, `adam`,
-    `adamw`, ...; `OPTIMIZERS`), or `custom` for a class of the job's own (its class and
-    hyperparameters are recorded from the object). Checked like `lr`."""
     options: dict[str, Any] = field(default_factory=dict)
-    """Job-specific options (model sizes, ...); part of the fingerprint."""
     checkpoint_every: int = 10
-    """Steps between checkpoints (harmless to change on resume)."""
     keep_last: int = 3
-    """Versions retention keeps (harmless)."""
     async_checkpoint: bool = True
-    """Write checkpoints in a background thread (harmless)."""
     log_level: str = "WARNING"
-    """Logging level (harmless)."""
     lease_expiry_s: float = 60.0
-    """Seconds after its last renewal that the writer lease of a holder on another host
-    counts as dead, so a job restarted elsewhere resumes without takeover; the holder
-    renews it every third of that (harmless)."""
     tiers: TierConfig | None = None
-    """Where the noise history lives (device, host, far); None: all on the host
-    (harmless: the noise is bit-identical on any tiers)."""
     overlap_noise: bool = False
-    """Compute w_t in a worker thread while the per-sample gradients are taken (harmless:
-    bit-identical either way)."""
     grad_threads: int | None = None
-    """torch intra-op threads the per-sample gradients, clipping and optimizer step run
-    at (`train.grad_threads`); None: torch's count when a new job starts. The count is
-    recorded in every version and a resume runs at it on any machine (another explicit
-    count is refused there), so it is not part of the fingerprint."""
     embedding: EmbeddingConfig | None = None
-    """Noise for sparse embedding tables (`cocoon_ckpt.embedding`); None: every
-    parameter, tables included, gets the dense mechanism over one flat vector."""
 
     def __post_init__(self) -> None:
         valid.text("JobConfig.job", self.job)

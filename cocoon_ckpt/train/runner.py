@@ -40,14 +40,19 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class RunResult:
-    """How a run ended."""
+    """How a run ended.
+
+    Attributes:
+        steps_done: Steps the job has taken, resumed ones included.
+        resumed_from: Step of the version the run resumed from (None for a fresh start).
+        epsilon: Epsilon spent at the end of the run, at `DPConfig.delta`.
+        version: Newest committed version.
+    """
 
     steps_done: int
     resumed_from: int | None
-    """Step of the version the run resumed from (None for a fresh start)."""
     epsilon: float
     version: int | None
-    """Newest committed version."""
 
 
 def run_job(

@@ -9,15 +9,18 @@ __all__ = ["StepResult"]
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    """What one DP step did."""
+    """What one DP step did.
+
+    Attributes:
+        step: The step index t just taken (0-based).
+        loss: Mean loss over the sampled batch (nan for an empty batch).
+        batch_size: How many examples were sampled.
+        grad_norm: L2 norm of the clipped per-sample gradient sum, before noise (dense parameters).
+        noise_norm: L2 norm of the correlated noise w_t added to that sum.
+    """
 
     step: int
-    """The step index t just taken (0-based)."""
     loss: float
-    """Mean loss over the sampled batch (nan for an empty batch)."""
     batch_size: int
-    """How many examples were sampled."""
     grad_norm: float = float("nan")
-    """L2 norm of the clipped per-sample gradient sum, before noise (dense parameters)."""
     noise_norm: float = float("nan")
-    """L2 norm of the correlated noise w_t added to that sum."""
