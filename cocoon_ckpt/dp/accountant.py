@@ -44,7 +44,12 @@ class Accountant:
     step before, and it is the Gaussian's exact profile whatever `method` says.
 
     Args:
-        noise_multiplier, dataset_size, batch_size, bands, delta, method: as `epsilon`.
+        noise_multiplier: sigma, as `epsilon`.
+        dataset_size: N, as `epsilon`.
+        batch_size: B, as `epsilon`.
+        bands: b, as `epsilon`.
+        delta: the delta epsilon is reported at, as `epsilon`.
+        method: the accounting (`pld` or `rdp`), as `epsilon`.
         sensitivity: a BLT's min-sep sensitivity (`blt_accounting.accounting_sensitivity`);
             None for BandMF.
     """

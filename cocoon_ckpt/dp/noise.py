@@ -219,7 +219,8 @@ class CorrelatedNoise:
         key: 32 secret bytes.
         noise_std: sigma * clip.
         dtype: float32 or float64.
-        start, stop: the coordinate range this instance serves (a shard); whole by default.
+        start: first coordinate of the range this instance serves (a shard); 0 by default.
+        stop: end of that range (exclusive); None: the whole dimension.
         history: where the ring lives, any `RingHistory` (`cocoon_ckpt.tiers` places it
             over device, host and far memory); a `HostRing` by default.
         rng: the fresh noise's generator (`NoiseRng`).

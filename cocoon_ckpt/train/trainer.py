@@ -93,8 +93,10 @@ class DPTrainer:
             taken (bit-identical either way; pays where both release the GIL).
         scheduler: an LR scheduler of `optimizer`, stepped once per DP step after it.
         stateful: other state checkpointed with the trainer's, by name (EMA, counters).
-        num_workers, pin_memory, collate_fn: passed to the DataLoader of `loader()`;
-            pin_memory None pins batches when the model is on a CUDA device.
+        num_workers: passed to the DataLoader of `loader()`.
+        pin_memory: passed to that DataLoader; None pins batches when the model is on a
+            CUDA device.
+        collate_fn: passed to that DataLoader (default_collate if None).
         grad_threads: torch intra-op threads of the per-sample gradients, clipping and
             optimizer step (`train.grad_threads`); None: torch's count when built.
 
