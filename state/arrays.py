@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from collections.abc import Sequence
 from typing import Any
 
@@ -327,9 +328,12 @@ def _read_chunk(
     """Fill `target` with the chunk's leading bytes; return (padding, crc trailer)."""
     want = stored_len + 4
     if backend.local:
-        fd = os.open(backend.path(rel), os.O_RDONLY)
+        fd = os.open(backend.path(rel), os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not hang
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(f"chunk {rel} is not a regular file: it is damaged")
             if size != want:
                 raise ValueError(f"chunk {rel} is {size} bytes, expected {want}: it is torn")
             got = os.readv(fd, [target])

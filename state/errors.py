@@ -11,6 +11,7 @@ __all__ = [
     "NotAStoreError",
     "StoreError",
     "StoreNotFoundError",
+    "UnsafeFileError",
     "UnsafePathError",
     "VersionNotFoundError",
 ]
@@ -71,6 +72,19 @@ class UnsafePathError(CorruptVersionError):
     def __init__(self, message: str, *, version: int, path: str, array: str) -> None:
         super().__init__(message, version=version, path=path)
         self.array = array
+
+
+class UnsafeFileError(StoreError):
+    """A file of the store that a reader refuses to read: not a regular file (a FIFO, a
+    device, a folder), or (local disk) a link that resolves outside the store root.
+
+    Attributes:
+        path: the file, relative to the store root.
+    """
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class LeaseHeldError(StoreError, PermissionError):

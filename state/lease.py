@@ -34,6 +34,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from .backend import Backend
+from .canonical_json import load_bounded
 from .errors import FencedError, LeaseHeldError, StoreError
 from .paths import (
     LEASES,
@@ -44,7 +45,13 @@ from .paths import (
 )
 from .process import owner_alive, process_start, this_host
 
-__all__ = ["DEFAULT_LEASE_EXPIRY_S", "Lease", "acquire_lease", "current_holder"]
+__all__ = [
+    "DEFAULT_LEASE_EXPIRY_S",
+    "DamagedLeaseError",
+    "Lease",
+    "acquire_lease",
+    "current_holder",
+]
 
 log = logging.getLogger("state.lease")
 
@@ -53,8 +60,23 @@ DEFAULT_LEASE_EXPIRY_S = 60.0
 
 
 def _generations(backend: Backend) -> list[int]:
-    found = (parse_lease_name(name) for name in backend.listdir_fresh(LEASES))
-    return sorted(g for g in found if g is not None)
+    """The store's lease generations, oldest first: the run of consecutive numbers from
+    the oldest. A taker creates newest + 1, so generations never skip a number; a record
+    beyond a gap was put there by hand or by someone else, and is not a generation (it
+    would otherwise be the newest and block every writer until --takeover)."""
+    found = sorted(g for g in map(parse_lease_name, backend.listdir_fresh(LEASES)) if g is not None)
+    for i in range(1, len(found)):
+        if found[i] != found[i - 1] + 1:
+            log.warning(
+                "%s: ignoring lease record %s: generations run %d..%d, and a writer never "
+                "skips one",
+                backend.url,
+                lease_path(found[i]),
+                found[0],
+                found[i - 1],
+            )
+            return found[:i]
+    return found
 
 
 def _number(value: object) -> float | None:
@@ -63,16 +85,36 @@ def _number(value: object) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def _last_renewal(backend: Backend, gen: int, rec: dict[str, Any]) -> float | None:
-    """The newest of the record's acquisition time and its heartbeat's renewal time."""
+def _read_record(backend: Backend, rel: str) -> dict[str, Any] | None:
+    """The JSON object stored at `rel` (a lease record, a heartbeat), or None where it is
+    not one: not JSON, beyond the bounds of `canonical_json.load_bounded` (nested too
+    deep, a number too long), not a regular file, or a link out of the store.
+
+    Raises:
+        FileNotFoundError: there is none.
+    """
+    try:
+        doc = load_bounded(backend.read_bytes(rel))
+    except (ValueError, StoreError):  # JSONDecodeError and UnsafeFileError included
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _last_renewal(backend: Backend, gen: int, rec: dict[str, Any], now: float) -> float | None:
+    """The newest of the record's acquisition time and its heartbeat's renewal time that
+    is believable: a time later than one expiry from now was never written by a clock
+    that agrees with ours (the hosts' clocks must agree to well within the expiry), and
+    would keep the lease alive for ever."""
     times = [_number(rec.get("renewed"))]
     try:
-        beat = json.loads(backend.read_bytes(lease_heartbeat_path(gen)))
-    except (FileNotFoundError, ValueError):
-        beat = None  # no renewal yet, or a damaged one: the record's time counts
-    if isinstance(beat, dict) and beat.get("generation") == gen:
+        beat = _read_record(backend, lease_heartbeat_path(gen))
+    except FileNotFoundError:
+        beat = None  # no renewal yet: the record's time counts (a damaged one: likewise)
+    if beat is not None and beat.get("generation") == gen:
         times.append(_number(beat.get("renewed")))
-    known = [t for t in times if t is not None]
+    expiry = _number(rec.get("expiry_s"))
+    horizon = now + (expiry if expiry is not None and expiry > 0 else DEFAULT_LEASE_EXPIRY_S)
+    known = [t for t in times if t is not None and t <= horizon]
     return max(known) if known else None
 
 
@@ -84,28 +126,54 @@ def current_holder(backend: Backend) -> dict[str, Any] | None:
     `expires` (Unix seconds; None for a lease written without an expiry).
 
     Raises:
-        StoreError: the newest lease record is not one.
+        DamagedLeaseError: the newest lease record is not one.
     """
     gens = _generations(backend)
     if not gens:
         return None
     gen = gens[-1]
     try:
-        rec = json.loads(backend.read_bytes(lease_path(gen)))
-    except ValueError:
-        rec = None
-    if not isinstance(rec, dict) or rec.get("generation") != gen:
-        raise StoreError(
+        rec = _read_record(backend, lease_path(gen))
+    except FileNotFoundError:
+        rec = None  # gone since the listing
+    if rec is None or rec.get("generation") != gen:
+        raise DamagedLeaseError(
             f"{backend.url}: {lease_path(gen)} is not a lease record of generation {gen}; "
-            "the store's lease state is damaged. If no job writes to this store, move that "
-            "file away and retry"
+            "the store's lease state is damaged. If no job writes to this store, take the "
+            "lease over with takeover=True (CLI: --takeover), or move that file away",
+            generation=gen,
         )
     rec["released"] = backend.exists(lease_released_path(gen))
     expiry = _number(rec.get("expiry_s"))
-    renewed = _last_renewal(backend, gen, rec)
+    stated, now = rec.get("renewed"), time.time()
+    renewed = _last_renewal(backend, gen, rec, now)
     rec["renewed"] = renewed
-    rec["expires"] = None if expiry is None or renewed is None else renewed + expiry
+    if renewed is None and expiry is not None:
+        # no believable renewal time (`renewed: 1e308`): expired, not alive for ever
+        rec["unbelievable_renewal"] = stated
+        rec["expires"] = now
+    else:
+        rec["expires"] = None if expiry is None or renewed is None else renewed + expiry
     return rec
+
+
+class DamagedLeaseError(StoreError):
+    """The newest lease record is not one (not JSON, beyond bounds, of another
+    generation, not a regular file). `acquire_lease(takeover=True)` takes the store over
+    from it.
+
+    Attributes:
+        generation: the damaged record's generation.
+    """
+
+    def __init__(self, message: str, *, generation: int) -> None:
+        super().__init__(message)
+        self.generation = generation
+
+
+def _seconds(value: float) -> str:
+    """A duration for a message: whole seconds, never negative."""
+    return f"{max(value, 0.0):.0f} s"
 
 
 def _holder_alive(rec: dict[str, Any], now: float) -> bool:
@@ -128,9 +196,11 @@ def _held_message(url: str, rec: dict[str, Any], now: float) -> str:
     elif rec.get("expires") is None:
         why = ", on another host, with no expiry recorded)"
     else:
+        ago = now - rec["renewed"]
+        renewed = f"renewed {_seconds(ago)} ago" if ago >= 0 else "renewed just now by its clock"
         why = (
-            f", on host {rec.get('host')}, renewed {now - rec['renewed']:.0f} s ago; it expires "
-            f"in {rec['expires'] - now:.0f} s unless renewed)"
+            f", on host {rec.get('host')}, {renewed}; it expires in "
+            f"{_seconds(rec['expires'] - now)} unless renewed)"
         )
     return (
         f"{who}{why}; a second writer is refused. If that job is dead, wait for its lease "
@@ -274,14 +344,20 @@ def acquire_lease(
     Raises:
         ValueError: `expiry_s` is not a finite number > 0.
         LeaseHeldError: another live writer holds it, or won a race for it.
-        StoreError: the newest lease record is damaged.
+        DamagedLeaseError: the newest lease record is damaged (and not `takeover`).
     """
     if _number(expiry_s) is None or not expiry_s > 0:
         raise ValueError(
             f"lease expiry_s={expiry_s!r} must be a finite number of seconds > 0 "
             f"(default {DEFAULT_LEASE_EXPIRY_S:g})"
         )
-    rec = current_holder(backend)
+    try:
+        rec = current_holder(backend)
+    except DamagedLeaseError as exc:
+        if not takeover:
+            raise
+        log.warning("%s; taking the store over from it", exc)
+        rec = {"generation": exc.generation, "released": True}
     now = time.time()
     gen = 0
     if rec is not None:
@@ -295,13 +371,25 @@ def acquire_lease(
                 gen,
                 rec.get("owner"),
             )
-        elif not rec.get("released") and rec.get("expires") is not None:
+        elif rec.get("unbelievable_renewal") is not None and not rec.get("released"):
             log.warning(
-                "%s: lease generation %d of writer %s expired %.0f s ago; taking it",
+                "%s: lease generation %d of writer %s records no believable renewal time "
+                "(%r lies beyond its expiry from now); taking it",
                 backend.url,
                 gen,
                 rec.get("owner"),
-                now - rec["expires"],
+                rec["unbelievable_renewal"],
+            )
+        elif not rec.get("released") and rec.get("expires") is not None:
+            left = rec["expires"] - now
+            log.warning(
+                "%s: lease generation %d of writer %s %s; taking it",
+                backend.url,
+                gen,
+                rec.get("owner"),
+                f"expired {_seconds(-left)} ago"
+                if left <= 0
+                else f"is gone (its process ended {_seconds(left)} before its lease expires)",
             )
     new_gen = gen + 1
     host, pid = this_host(), os.getpid()

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import os
+import stat
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -22,6 +24,7 @@ import zarr.storage
 from zarr.abc.store import Store as ZarrStore
 
 from .backend import Backend, Capabilities
+from .errors import UnsafeFileError
 from .paths import partial_path
 from .retry import RetryPolicy
 from .threads import run_all, submit_or_run
@@ -82,6 +85,43 @@ class LocalBackend(Backend):
                     elif entry.is_dir(follow_symlinks=False):
                         pending.append(entry.path)
         return None
+
+    def read_bytes(self, rel: str) -> bytes:
+        """The bytes of file `rel`, refused without blocking or reading when it is not a
+        regular file (a FIFO would block the open and the read for ever; a device, a
+        folder) or resolves outside the root (a link out of the store: manifests, leases
+        and secrets are confined as arrays are).
+
+        Raises:
+            FileNotFoundError: there is no such file.
+            UnsafeFileError: naming the file and what it is.
+        """
+        path = self.path(rel)
+        real = os.path.realpath(path)
+        root = os.path.realpath(self.root)
+        if not real.startswith(root + os.sep):
+            if not os.path.lexists(path):
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+            raise UnsafeFileError(
+                f"{self.url}: {rel} resolves to {real}, outside the store; a store's files "
+                "are read only inside it, so it is refused: replace the link by the file",
+                path=rel,
+            )
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)  # the file opened, not whatever the name points to now
+            if not stat.S_ISREG(st.st_mode):
+                raise UnsafeFileError(
+                    f"{self.url}: {rel} is {_kind(st.st_mode)}, not a regular file, so it "
+                    "is refused unread: move it away (the store writes only regular files)",
+                    path=rel,
+                )
+            chunks = []
+            while chunk := os.read(fd, max(st.st_size, 1 << 16)):
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
 
     def replace(self, rel: str, data: bytes) -> None:
         """Temp file + fsync + rename: a reader sees the old or the new bytes."""
@@ -344,6 +384,18 @@ def _makedirs_private(path: str) -> None:
         _makedirs_private(path)
         return
     os.chmod(path, 0o700)
+
+
+def _kind(mode: int) -> str:
+    """What a file that is not a regular file is, in words."""
+    kinds = (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    )
+    return next((words for test, words in kinds if test(mode)), "not a file")
 
 
 def _size(path: str) -> int:

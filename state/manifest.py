@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .canonical_json import canonical_text
+from .canonical_json import canonical_text, load_bounded
 from .errors import CorruptVersionError, FormatVersionError, UnsafePathError
 from .paths import manifest_path, unsafe_path_reason
 
@@ -165,7 +165,7 @@ class Manifest:
             )
 
         try:
-            doc = json.loads(data)
+            doc = load_bounded(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             pos = exc.pos if isinstance(exc, json.JSONDecodeError) else exc.start
             region = _region(data, pos)

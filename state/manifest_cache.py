@@ -16,14 +16,23 @@ import threading
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
-from .errors import VersionNotFoundError
+from .errors import CorruptVersionError, UnsafeFileError, VersionNotFoundError
 from .manifest import Manifest
 from .paths import manifest_path
 
 if TYPE_CHECKING:
     from .store import Store
 
-__all__ = ["ManifestCache"]
+__all__ = ["ManifestCache", "refused_manifest"]
+
+
+def refused_manifest(exc: UnsafeFileError, version: int) -> CorruptVersionError:
+    """A manifest the backend refused to read (a FIFO, a link out of the store) as the
+    damage of its version: fallback, retention and audit then pass over it as over any
+    damaged version."""
+    return CorruptVersionError(
+        f"version {version} of {exc}", version=version, path=exc.path, record="header"
+    )
 
 
 def _digest(data: bytes) -> bytes:
@@ -61,6 +70,8 @@ class ManifestCache:
                 f"{store.url} has no version {version} (its manifest {manifest_path(version)} "
                 "is gone); list the store's versions again"
             ) from None
+        except UnsafeFileError as exc:
+            raise refused_manifest(exc, version) from exc
         digest = _digest(data)
         with self._lock:
             hit = self._verified.get(version)

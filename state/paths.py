@@ -55,9 +55,11 @@ _PARTIAL = ".partial"
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 _PART = re.compile(r"^[A-Za-z0-9_.\-]+$")
-_VERSION_FOLDER = re.compile(r"^(?P<v>[0-9]{8})-g(?P<g>[0-9]+)(?:-r(?P<r>[0-9]+))?$")
+_VERSION_FOLDER = re.compile(r"^(?P<v>[0-9]{8})-g(?P<g>[0-9]{1,18})(?:-r(?P<r>[0-9]{1,18}))?$")
 _MANIFEST = re.compile(r"^(?P<v>[0-9]{8})\.json$")
-_LEASE = re.compile(r"^(?P<g>[0-9]+)\.json$")
+# At most 18 digits: a generation fits an int64 (a planted 5,000-digit name would fail
+# every int() of it); a longer name is not a lease record.
+_LEASE = re.compile(r"^(?P<g>[0-9]{1,18})\.json$")
 _URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*:")
 
 

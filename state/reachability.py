@@ -13,12 +13,12 @@ is counted apart and never deleted.
 from __future__ import annotations
 
 import enum
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .errors import CorruptVersionError, FormatVersionError
+from .canonical_json import load_bounded
+from .errors import CorruptVersionError, FormatVersionError, StoreError
 from .manifest import Manifest
 from .paths import (
     ROOT_META,
@@ -219,11 +219,11 @@ def _tally(sizes: Mapping[str, int], classify: _Classifier, unreadable: tuple[in
 
 def _paths_of_damaged(store: Store, version: int) -> set[str]:
     """The confined array paths a manifest that fails to verify still names, where its
-    JSON parses: what it may need is not called unreachable."""
+    JSON parses within bounds: what it may need is not called unreachable."""
     try:
-        raw = json.loads(store.backend.read_bytes(manifest_path(version)))
+        raw = load_bounded(store.backend.read_bytes(manifest_path(version)))
         table = raw["arrays"]
         paths = {str(meta["path"]) for meta in table.values()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, StoreError, ValueError, KeyError, TypeError, AttributeError):
         return set()
     return {p for p in paths if unsafe_path_reason(p) is None}

@@ -4,6 +4,8 @@ before it, and telling a store from something else at the same location."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 from typing import Any
 
 from .backend import Backend
@@ -11,7 +13,19 @@ from .errors import FormatVersionError, NotAStoreError
 from .manifest import FORMAT_VERSION
 from .paths import LEASES, MANIFESTS, ROOT_META, SHARED, VERSIONS, is_partial
 
-__all__ = ["ATTRIBUTES_KEY", "foreign_entries", "initialise", "load_root", "read_root"]
+__all__ = [
+    "ATTRIBUTES_KEY",
+    "enclosing_store",
+    "foreign_entries",
+    "initialise",
+    "load_root",
+    "read_root",
+    "refuse_nested",
+]
+
+#: Bytes of a root zarr.json read while looking for a store above a path, at most (a
+#: store's is ~200 bytes).
+_ROOT_META_LIMIT = 1 << 16
 
 #: The key of the root zarr.json's attributes that marks a cocoon-ckpt store.
 ATTRIBUTES_KEY = "cocoon_ckpt"
@@ -109,6 +123,70 @@ def load_root(backend: Backend, raw: bytes) -> dict[str, Any]:
             f"reads ({FORMAT_VERSION}); upgrade cocoon-ckpt to open it"
         )
     return dict(attrs)
+
+
+def enclosing_store(path: str, *, include_self: bool = False) -> str | None:
+    """The root of the cocoon-ckpt store whose tree holds local path `path`, or None.
+
+    Walks up from `path`, resolved through links, looking in each folder for a root
+    zarr.json carrying our attributes; `path` itself counts only with `include_self`.
+    Local paths only: an object store's prefixes are not looked at. Nothing is created;
+    a zarr.json that is not a regular file is not read (a FIFO would block).
+
+    Args:
+        path: a local path (it need not exist).
+        include_self: also a store rooted at `path` itself.
+    """
+    here = os.path.realpath(path)
+    if not include_self:
+        here = os.path.dirname(here)
+    while True:
+        if _is_store_root(here):
+            return here
+        parent = os.path.dirname(here)
+        if parent == here:
+            return None
+        here = parent
+
+
+def _is_store_root(folder: str) -> bool:
+    try:
+        fd = os.open(os.path.join(folder, ROOT_META), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:  # none, or unreadable: not a store we can tell of
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        raw = os.read(fd, _ROOT_META_LIMIT)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    try:
+        doc = json.loads(raw)
+        return isinstance(doc, dict) and ATTRIBUTES_KEY in doc["attributes"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return False
+
+
+def refuse_nested(backend: Backend) -> None:
+    """Refuse a local store root that lies inside another store's tree: the outer
+    store's retention and gc delete what its manifests do not name, the inner store
+    with it. Object stores are not checked (their prefixes hold no such trees of ours
+    that a listing would not show); nothing is written.
+
+    Raises:
+        NotAStoreError: naming both stores and the fix.
+    """
+    if not backend.local:
+        return
+    outer = enclosing_store(backend.root)
+    if outer is not None:
+        raise NotAStoreError(
+            f"store {backend.url} lies inside the cocoon-ckpt store {outer}, whose gc and "
+            "retention delete what its manifests do not name; nothing was written: choose "
+            "a store path (--store) outside it"
+        )
 
 
 def _is_root_temp(name: str) -> bool:

@@ -21,11 +21,12 @@ from .errors import (
     NotAStoreError,
     StoreError,
     StoreNotFoundError,
+    UnsafeFileError,
     VersionNotFoundError,
 )
 from .lease import DEFAULT_LEASE_EXPIRY_S, Lease, acquire_lease, current_holder
 from .manifest import ArrayMeta, Manifest
-from .manifest_cache import ManifestCache
+from .manifest_cache import ManifestCache, refused_manifest
 from .paths import (
     MANIFESTS,
     SECRET,
@@ -39,7 +40,14 @@ from .paths import (
 from .reachability import Space, space
 from .retention import KeepEvery, KeepLast, OnDamage, RetentionPolicy, retain
 from .retry import RetryPolicy
-from .root import describe_foreign, foreign_entries, initialise, load_root, read_root
+from .root import (
+    describe_foreign,
+    foreign_entries,
+    initialise,
+    load_root,
+    read_root,
+    refuse_nested,
+)
 from .transaction import ShardWriter, Transaction, now_iso
 from .version import Version
 
@@ -89,8 +97,9 @@ class Store:
             StoreNotFoundError: nothing is there and `create` is False.
             FormatVersionError: the store is of a newer format.
             NotAStoreError: the location holds something that is not a cocoon-ckpt store
-                (a file, a non-empty folder, a zarr v2 store, a plain zarr v3 group);
-                nothing is written or chmod'ed.
+                (a file, a non-empty folder, a zarr v2 store, a plain zarr v3 group), or
+                lies inside another store's tree (local paths); nothing is written or
+                chmod'ed.
         """
         store = cls(open_backend(url, storage_options, fs=fs, retry=retry), retry=retry)
         backend = store.backend
@@ -98,6 +107,7 @@ class Store:
         # after other processes wrote to it must not read this process's older listing
         # (s3fs forgets a path and its parents, not its children: forget it all)
         backend.invalidate()
+        refuse_nested(backend)
         if backend.root_is_file():
             raise NotAStoreError(
                 f"{url} is a file, not a cocoon-ckpt store; give the path of a store, or of a "
@@ -194,7 +204,8 @@ class Store:
 
         Raises:
             VersionNotFoundError: no such version.
-            CorruptVersionError: the manifest is torn or malformed.
+            CorruptVersionError: the manifest is torn or malformed, not a regular file,
+                or a link out of the store.
         """
         try:
             data = self.backend.read_bytes(manifest_path(version))
@@ -203,6 +214,8 @@ class Store:
             raise VersionNotFoundError(
                 f"{self.url} has no version {version}; it has {_describe(have)}"
             ) from None
+        except UnsafeFileError as exc:  # a FIFO, or a link out of the store
+            raise refused_manifest(exc, version) from exc
         return Manifest.from_bytes(data, version=version, where=self.url)
 
     def read(self, version: int, *, verify: bool = True) -> Version:

@@ -4,7 +4,6 @@ which a manifest's canonical bytes are defined by (readers compare the stored by
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 from hypothesis import given, settings
@@ -17,7 +16,7 @@ _scalars = (
     st.none()
     | st.booleans()
     | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=8)
 )
 _docs = st.recursive(
@@ -42,7 +41,10 @@ def test_same_text_as_json_dumps(doc: dict[str, object]) -> None:
 @settings(max_examples=100, deadline=None)
 @given(
     st.lists(
-        st.floats(allow_nan=True, allow_infinity=True) | st.integers() | st.booleans() | st.none(),
+        st.floats(allow_nan=False, allow_infinity=False)
+        | st.integers()
+        | st.booleans()
+        | st.none(),
         max_size=50,
     ),
     st.integers(0, 3),
@@ -90,7 +92,7 @@ def test_a_manifest_with_a_long_metrics_curve_round_trips() -> None:
             )
             for i in range(20)
         },
-        records={"metrics": {"schema_version": 1, "series": values}, "x": {"inf": math.inf}},
+        records={"metrics": {"schema_version": 1, "series": values}, "x": {"big": 1e308}},
     )
     data = m.to_bytes()
     doc: dict[str, object] = json.loads(data)
