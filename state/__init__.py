@@ -11,18 +11,20 @@ from .errors import (
     CommitConflictError,
     CorruptVersionError,
     FencedError,
+    ForgedVersionError,
     FormatVersionError,
     LeaseHeldError,
     NotAStoreError,
     StoreError,
     StoreNotFoundError,
+    UnauthenticatedVersionError,
     UnsafePathError,
     VersionNotFoundError,
 )
 from .fsspec_backend import FsspecBackend
 from .lease import Lease
 from .local_backend import LocalBackend
-from .manifest import FORMAT_VERSION, ArrayMeta, Manifest, restamp
+from .manifest import FORMAT_VERSION, MAC_KEY_BYTES, ArrayMeta, Manifest, ManifestMacs, restamp
 from .reachability import Space
 from .retention import KeepEvery, KeepLast, KeepVersions, OnDamage, RetentionPolicy
 from .retry import RetryPolicy, is_transient
@@ -32,12 +34,14 @@ from .version import Version
 
 __all__ = [
     "FORMAT_VERSION",
+    "MAC_KEY_BYTES",
     "ArrayMeta",
     "Backend",
     "Capabilities",
     "CommitConflictError",
     "CorruptVersionError",
     "FencedError",
+    "ForgedVersionError",
     "FormatVersionError",
     "FsspecBackend",
     "KeepEvery",
@@ -47,6 +51,7 @@ __all__ = [
     "LeaseHeldError",
     "LocalBackend",
     "Manifest",
+    "ManifestMacs",
     "NotAStoreError",
     "OnDamage",
     "RetentionPolicy",
@@ -57,6 +62,7 @@ __all__ = [
     "StoreError",
     "StoreNotFoundError",
     "Transaction",
+    "UnauthenticatedVersionError",
     "UnsafePathError",
     "Version",
     "VersionNotFoundError",

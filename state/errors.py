@@ -6,11 +6,13 @@ __all__ = [
     "CommitConflictError",
     "CorruptVersionError",
     "FencedError",
+    "ForgedVersionError",
     "FormatVersionError",
     "LeaseHeldError",
     "NotAStoreError",
     "StoreError",
     "StoreNotFoundError",
+    "UnauthenticatedVersionError",
     "UnsafeFileError",
     "UnsafePathError",
     "VersionNotFoundError",
@@ -58,6 +60,17 @@ class CorruptVersionError(StoreError, ValueError):
         self.version = version
         self.path = path
         self.record = record
+
+
+class ForgedVersionError(CorruptVersionError):
+    """A version's MAC fails under the MAC key the store was opened with: it was written
+    or edited by someone without the key (or damaged after its checksums were
+    recomputed). `record` names the record that fails, or `"header"`."""
+
+
+class UnauthenticatedVersionError(CorruptVersionError):
+    """A version carries no MAC although the store was opened with a MAC key that
+    requires one: written before store format 4, without a key, or its MACs stripped."""
 
 
 class UnsafePathError(CorruptVersionError):

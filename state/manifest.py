@@ -5,24 +5,40 @@ A manifest verifies itself. Every record carries a sha256 of its canonical JSON
 parent, writer, job fingerprint, the arrays table and the record checksums); the stored
 bytes must also equal the canonical serialisation, so even a change that parses to the
 same values (`1e-05` -> `1E-05`) is caught. Array paths must stay inside the store.
+
+Checksums find damage, not forgery: whoever can write the store can edit a record and
+re-stamp them. A manifest sealed with a MAC key (format 4, `seal`) also carries a keyed
+BLAKE2b per record (`record_macs`) and one over the header (`header_mac`, which covers
+the record MACs and checksums and every array's checksum); `authenticate` verifies
+them with the key and names the record that fails. `state` treats the key as opaque
+bytes: cocoon_ckpt derives it from the job's noise key.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .canonical_json import canonical_text, load_bounded
-from .errors import CorruptVersionError, FormatVersionError, UnsafePathError
+from .errors import (
+    CorruptVersionError,
+    ForgedVersionError,
+    FormatVersionError,
+    UnauthenticatedVersionError,
+    UnsafePathError,
+)
 from .paths import manifest_path, unsafe_path_reason
 
 __all__ = [
     "FORMAT_VERSION",
+    "MAC_KEY_BYTES",
     "ArrayMeta",
     "Manifest",
+    "ManifestMacs",
     "manifest_path",
     "restamp",
     "unsafe_path_reason",
@@ -30,11 +46,19 @@ __all__ = [
 
 #: 2: record and header checksums, canonical bytes, confined array paths.
 #: 3: an array may record `chunk_key_separator` "." (its chunks `c.0.0`, no folders).
-FORMAT_VERSION = 3
+#: 4: a manifest may carry MACs (`record_macs`, `header_mac`): see `Manifest.seal`.
+FORMAT_VERSION = 4
 #: The manifest formats this library reads.
-READ_FORMATS = (2, 3)
+READ_FORMATS = (2, 3, 4)
 _KIND = "cocoon-ckpt/manifest"
-_CHECKSUMS = ("header_checksum", "record_checksums")
+_CHECKSUMS = ("header_checksum", "record_checksums", "header_mac", "record_macs")
+#: Bytes of a MAC key (BLAKE2b takes up to 64; 32 is its full strength at 256 bits).
+MAC_KEY_BYTES = 32
+_MAC = "blake2b-256"
+# BLAKE2b personalisations (16 bytes at most): a record's MAC and the header's can never
+# stand in for one another, nor for any other keyed hash of the same key.
+_PERSON_RECORD = b"cc-manifest-rec"
+_PERSON_HEADER = b"cc-manifest-hdr"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -112,6 +136,7 @@ class Manifest:
         arrays: Logical name -> array location and checksum.
         records: Small JSON records (sampler, accountant, config, ring layout, ...).
         format_version: The format it was written in (one of `READ_FORMATS`); its bytes keep it.
+        macs: The MACs it was sealed with (format 4), as stored; None for an unsealed one.
     """
 
     version: int
@@ -124,10 +149,75 @@ class Manifest:
     arrays: dict[str, ArrayMeta] = field(default_factory=dict)
     records: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    macs: ManifestMacs | None = None
+
+    @property
+    def sealed(self) -> bool:
+        """Whether it carries MACs (which only `authenticate` with the key verifies)."""
+        return self.macs is not None
 
     def to_bytes(self) -> bytes:
-        """The canonical bytes, checksums included (the same values give the same bytes)."""
-        return _seal(
+        """The canonical bytes, checksums (and stored MACs) included: the same values
+        give the same bytes."""
+        return _seal(self._body(), None, self.macs)
+
+    def seal(self, mac_key: bytes) -> tuple[Manifest, bytes]:
+        """This manifest MACed with `mac_key` (format 4): the sealed manifest and its
+        canonical bytes."""
+        _check_mac_key(mac_key)
+        body = self._body()
+        body["format_version"] = FORMAT_VERSION
+        data = _seal(body, mac_key, None)
+        doc = json.loads(data)
+        macs = ManifestMacs(header=doc["header_mac"], records=dict(doc["record_macs"]))
+        return replace(self, format_version=FORMAT_VERSION, macs=macs), data
+
+    def authenticate(self, mac_key: bytes, *, where: str) -> None:
+        """Verify its MACs with `mac_key`.
+
+        Raises:
+            UnauthenticatedVersionError: it carries no MACs (written before format 4, or
+                without a key, or they were stripped).
+            ForgedVersionError: a record's MAC or the header's fails: it was written by
+                someone without the key; `record` names the record (or `"header"`).
+        """
+        _check_mac_key(mac_key)
+        path = manifest_path(self.version)
+        if self.macs is None:
+            raise UnauthenticatedVersionError(
+                f"version {self.version} of {where}: manifest {path} carries no MAC, so "
+                "the job's key cannot vouch for it (written by cocoon-ckpt before store "
+                "format 4, or its MACs were stripped)",
+                version=self.version,
+                path=path,
+                record="header",
+            )
+        doc: dict[str, Any] = json.loads(self.to_bytes())
+        expect = _macs(doc, mac_key)
+        for name in sorted(set(expect.records) | set(self.macs.records)):
+            got = self.macs.records.get(name)
+            if got is None or not hmac.compare_digest(got, expect.records.get(name, "")):
+                raise ForgedVersionError(
+                    f"version {self.version} of {where}: record {name!r} of manifest {path} "
+                    "fails its MAC under the job's key: it was written or edited by someone "
+                    "without the key (forged), or damaged",
+                    version=self.version,
+                    path=path,
+                    record=name,
+                )
+        if not hmac.compare_digest(self.macs.header, expect.header):
+            raise ForgedVersionError(
+                f"version {self.version} of {where}: the header of manifest {path} (version, "
+                "step, parent, writer, job fingerprint, arrays table or record checksums) "
+                "fails its MAC under the job's key: it was written or edited by someone "
+                "without the key (forged), or damaged",
+                version=self.version,
+                path=path,
+                record="header",
+            )
+
+    def _body(self) -> dict[str, Any]:
+        return dict(
             {
                 "kind": _KIND,
                 "format_version": self.format_version,
@@ -249,17 +339,53 @@ class Manifest:
             arrays={k: ArrayMeta.from_json(v) for k, v in doc["arrays"].items()},
             records=dict(doc["records"]),
             format_version=int(doc["format_version"]),
+            macs=ManifestMacs.from_doc(doc),
         )
 
 
-def restamp(doc: Mapping[str, Any]) -> bytes:
+@dataclass(frozen=True, slots=True)
+class ManifestMacs:
+    """A sealed manifest's MACs as stored (`blake2b-256:<hex>` each).
+
+    Attributes:
+        header: Over the header: every field but the records, the record MACs and
+            checksums included.
+        records: Record name -> the MAC of its name and canonical JSON.
+    """
+
+    header: str
+    records: dict[str, str]
+
+    @classmethod
+    def from_doc(cls, doc: Mapping[str, Any]) -> ManifestMacs | None:
+        header, records = doc.get("header_mac"), doc.get("record_macs")
+        if header is None and records is None:
+            return None
+        if not isinstance(header, str) or not isinstance(records, dict):
+            raise ValueError("'header_mac' and 'record_macs' come together")
+        if not all(isinstance(v, str) for v in records.values()):
+            raise ValueError("'record_macs' holds a value that is not a string")
+        return cls(header=header, records={str(k): v for k, v in records.items()})
+
+
+def restamp(
+    doc: Mapping[str, Any], *, keep_macs: bool = False, mac_key: bytes | None = None
+) -> bytes:
     """Canonical manifest bytes of `doc` (a parsed manifest, possibly edited) with fresh
     checksums: what a writer who can recompute them would store.
 
     For tests and tools that simulate such a writer (an attacker who rewrites a record
-    and its checksum), and for repairing a manifest by hand. Nothing is validated.
+    and its checksum), and for repairing a manifest by hand. Nothing is validated. Its
+    MACs, which only the key's holder can recompute, are dropped; with `keep_macs` kept
+    as they were (stale, if `doc` was edited); with `mac_key` recomputed, as the key's
+    holder would (a repair, or a test of the checks that run behind the MACs).
     """
-    return _seal({k: v for k, v in doc.items() if k not in _CHECKSUMS})
+    if mac_key is not None:
+        _check_mac_key(mac_key)
+        body = {k: v for k, v in doc.items() if k not in _CHECKSUMS}
+        return _seal({**body, "format_version": FORMAT_VERSION}, mac_key, None)
+    macs = ManifestMacs.from_doc(doc) if keep_macs else None
+    return _seal({k: v for k, v in doc.items() if k not in _CHECKSUMS}, None, macs)
 
 
 def _canonical(value: Any) -> bytes:
@@ -271,14 +397,36 @@ def _sha256(value: Any) -> str:
 
 
 def _header(doc: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in doc.items() if k not in ("records", "header_checksum")}
+    return {k: v for k, v in doc.items() if k not in ("records", "header_checksum", "header_mac")}
 
 
-def _seal(body: Mapping[str, Any]) -> bytes:
+def _check_mac_key(mac_key: bytes) -> None:
+    if not isinstance(mac_key, bytes) or len(mac_key) != MAC_KEY_BYTES:
+        raise ValueError(f"a manifest MAC key is {MAC_KEY_BYTES} bytes")
+
+
+def _mac(mac_key: bytes, person: bytes, value: Any) -> str:
+    digest = hashlib.blake2b(_canonical(value), key=mac_key, person=person, digest_size=32)
+    return f"{_MAC}:{digest.hexdigest()}"
+
+
+def _macs(doc: Mapping[str, Any], mac_key: bytes) -> ManifestMacs:
+    """The MACs `doc` (record_macs included) should carry under `mac_key`."""
+    records = {k: _mac(mac_key, _PERSON_RECORD, [k, v]) for k, v in doc["records"].items()}
+    header = {**_header(doc), "record_macs": records}
+    return ManifestMacs(header=_mac(mac_key, _PERSON_HEADER, header), records=records)
+
+
+def _seal(body: Mapping[str, Any], mac_key: bytes | None, macs: ManifestMacs | None) -> bytes:
     # A JSON round trip first: tuples become lists and int keys strings, exactly what a
     # reader sees, so the checksums and the layout a reader recomputes are these.
     doc: dict[str, Any] = json.loads(json.dumps(body))
     doc["record_checksums"] = {k: _sha256(v) for k, v in doc["records"].items()}
+    if mac_key is not None:
+        macs = _macs(doc, mac_key)
+    if macs is not None:
+        doc["record_macs"] = dict(macs.records)
+        doc["header_mac"] = macs.header
     doc["header_checksum"] = _sha256(_header(doc))
     return canonical_text(doc).encode()
 

@@ -25,7 +25,7 @@ from .errors import (
     VersionNotFoundError,
 )
 from .lease import DEFAULT_LEASE_EXPIRY_S, Lease, acquire_lease, current_holder
-from .manifest import ArrayMeta, Manifest
+from .manifest import MAC_KEY_BYTES, ArrayMeta, Manifest
 from .manifest_cache import ManifestCache, refused_manifest
 from .paths import (
     MANIFESTS,
@@ -70,6 +70,9 @@ class Store:
         self.attributes: dict[str, Any] = {}
         #: Manifests retention has verified, trusted while their bytes are unchanged.
         self.manifest_cache = ManifestCache()
+        #: See `authenticate_with`.
+        self.mac_key: bytes | None = None
+        self.require_macs = True
 
     # opening ---------------------------------------------------------------------
     @classmethod
@@ -140,6 +143,19 @@ class Store:
         fp = self.attributes.get("job_fingerprint")
         return str(fp) if fp is not None else None
 
+    def authenticate_with(self, mac_key: bytes, *, require: bool = True) -> None:
+        """From now on, seal every commit with `mac_key` and verify every manifest read
+        through `manifest`, `read` and `latest` with it: a MAC that fails raises
+        ForgedVersionError (a CorruptVersionError, so `latest(allow_fallback=True)`
+        passes over it like any damaged version). With `require`, a version without MACs
+        raises UnauthenticatedVersionError; without it, such a version is read as
+        before (`Manifest.sealed` tells). Retention verifies checksums only: whoever can
+        forge a manifest can delete files anyway."""
+        if len(mac_key) != MAC_KEY_BYTES:
+            raise ValueError(f"a manifest MAC key is {MAC_KEY_BYTES} bytes, not {len(mac_key)}")
+        self.mac_key = mac_key
+        self.require_macs = require
+
     # leases ----------------------------------------------------------------------
     def acquire_lease(
         self, *, takeover: bool = False, expiry_s: float = DEFAULT_LEASE_EXPIRY_S
@@ -205,7 +221,8 @@ class Store:
         Raises:
             VersionNotFoundError: no such version.
             CorruptVersionError: the manifest is torn or malformed, not a regular file,
-                or a link out of the store.
+                or a link out of the store; with a MAC key (`authenticate_with`),
+                forged (ForgedVersionError) or without MACs (UnauthenticatedVersionError).
         """
         try:
             data = self.backend.read_bytes(manifest_path(version))
@@ -216,7 +233,10 @@ class Store:
             ) from None
         except UnsafeFileError as exc:  # a FIFO, or a link out of the store
             raise refused_manifest(exc, version) from exc
-        return Manifest.from_bytes(data, version=version, where=self.url)
+        manifest = Manifest.from_bytes(data, version=version, where=self.url)
+        if self.mac_key is not None and (manifest.sealed or self.require_macs):
+            manifest.authenticate(self.mac_key, where=self.url)
+        return manifest
 
     def read(self, version: int, *, verify: bool = True) -> Version:
         """Version `version`; with `verify`, every array is read and checked now."""

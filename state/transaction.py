@@ -191,7 +191,10 @@ class Transaction(_VersionWriter):
             arrays=dict(self._arrays),
             records=dict(self._records),
         )
-        data = manifest.to_bytes()
+        if self.store.mac_key is not None:
+            manifest, data = manifest.seal(self.store.mac_key)
+        else:
+            data = manifest.to_bytes()
         path = manifest_path(self.version)
         hooks.point(BEFORE_MANIFEST, step=self.step, version=self.version)
 

@@ -10,6 +10,8 @@ Subclass it once per backend and override the `locations` fixture::
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -19,16 +21,25 @@ from .. import hooks
 from ..errors import (
     CorruptVersionError,
     FencedError,
+    ForgedVersionError,
     LeaseHeldError,
     NotAStoreError,
     StoreError,
     StoreNotFoundError,
+    UnauthenticatedVersionError,
 )
-from ..manifest import FORMAT_VERSION
+from ..manifest import FORMAT_VERSION, MAC_KEY_BYTES, restamp
 from ..paths import manifest_path, version_of_path
 from ..store import Store
 from .commits import InjectedCrash, commit, crash_after, same
-from .locations import LocationFactory, StoreLocation, backend_of, flip_bit, open_store
+from .locations import (
+    LocationFactory,
+    StoreLocation,
+    backend_of,
+    flip_bit,
+    open_store,
+    restore,
+)
 from .retention_tests import RetentionTests
 from .stateful import StoreStateMachine
 
@@ -174,6 +185,57 @@ class StoreTests(RetentionTests):
         with pytest.raises(CorruptVersionError) as e:
             writer.read(1)
         assert (e.value.version, e.value.path, e.value.record) == (1, manifest_path(1), "sampler")
+
+    # authentication ---------------------------------------------------------------
+    def test_sealed_versions_authenticate_and_forgeries_are_named(
+        self, writer: Store, location: StoreLocation
+    ) -> None:
+        key, other = b"k" * MAC_KEY_BYTES, b"o" * MAC_KEY_BYTES
+        writer.authenticate_with(key)
+        commit(writer, 1, {"a": np.zeros(2)}, sampler={"seed": 1}, accountant={"steps": 1})
+        commit(writer, 2, {"a": np.ones(2)}, sampler={"seed": 1}, accountant={"steps": 2})
+        reader = open_store(location, create=False)
+        assert reader.latest() is not None  # no key: the unkeyed checksums, as before
+        reader.authenticate_with(key)
+        newest = reader.latest()
+        assert newest is not None and newest.manifest.sealed and newest.version == 2
+        reader.authenticate_with(other)
+        with pytest.raises(ForgedVersionError):
+            reader.latest()
+        reader.authenticate_with(key)
+        # a writer without the key edits a record and re-stamps the checksums
+        doc = json.loads(writer.backend.read_bytes(manifest_path(2)))
+        doc["records"]["accountant"]["steps"] = 1
+        restore(writer, manifest_path(2), restamp(doc, keep_macs=True))
+        open_store(location, create=False).latest()  # the checksums alone see nothing
+        with pytest.raises(ForgedVersionError, match="record 'accountant'") as e:
+            reader.latest()
+        assert (e.value.version, e.value.record) == (2, "accountant")
+        fallback = reader.latest(allow_fallback=True)
+        assert fallback is not None and fallback.version == 1
+        # the header (the step), MACs kept; then the MACs stripped
+        doc["records"]["accountant"]["steps"] = 2
+        doc["step"] = 5
+        restore(writer, manifest_path(2), restamp(doc, keep_macs=True))
+        with pytest.raises(ForgedVersionError, match="the header") as e:
+            reader.read(2)
+        assert e.value.record == "header"
+        restore(writer, manifest_path(2), restamp(doc))
+        with pytest.raises(UnauthenticatedVersionError, match="carries no MAC"):
+            reader.read(2)
+        reader.authenticate_with(key, require=False)  # an old store's versions, allowed
+        assert reader.read(2).step == 5 and not reader.read(2).manifest.sealed
+
+    def test_an_unsealed_version_is_sealed_from_the_next_commit_on(self, writer: Store) -> None:
+        commit(writer, 1, {"a": np.zeros(2)})  # as a store written before format 4
+        writer.authenticate_with(b"k" * MAC_KEY_BYTES, require=False)
+        commit(writer, 2, {"a": np.ones(2)})
+        assert not writer.read(1).manifest.sealed
+        assert writer.read(2).manifest.sealed
+        writer.authenticate_with(b"k" * MAC_KEY_BYTES)
+        with pytest.raises(UnauthenticatedVersionError):
+            writer.read(1)
+        assert writer.read(2).step == 2
 
     # leases -------------------------------------------------------------------------
     def test_lease_refuse_takeover_and_fence(self, writer: Store, location: StoreLocation) -> None:
