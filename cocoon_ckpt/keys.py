@@ -7,6 +7,7 @@ with `key_file`, in a file of the user's that must be readable by its owner only
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import secrets
@@ -102,18 +103,29 @@ def load_key(store: Store, key_file: str | None) -> bytes:
 
 
 def create_key_file(path: str, key: bytes) -> None:
-    """Write `key` to a new file `path`, 0600 (never overwrites: O_EXCL), fsynced."""
+    """Write `key` to a new file `path`, 0600 (never overwrites: O_EXCL), fsynced.
+
+    A write that fails (a full disk, a quota) removes the file it created: a partial
+    key left behind would refuse every rerun until deleted by hand.
+
+    Raises:
+        OSError: the file exists, or creating, writing or syncing it failed (nothing
+            is left at `path` then, unless it existed before).
+    """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.fchmod(fd, 0o600)  # whatever the umask
-        with os.fdopen(fd, "wb") as f:
-            fd = -1
-            f.write(key)
-            f.flush()
-            os.fsync(f.fileno())
-    finally:
-        if fd != -1:
+        view = memoryview(key)
+        while view:  # os.write may write less than asked
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
             os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    os.close(fd)
 
 
 def save_key(store: Store, key_file: str | None, key: bytes) -> None:

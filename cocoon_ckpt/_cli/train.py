@@ -176,6 +176,13 @@ def add_parser(sub: Subparsers) -> None:
         help="resume from an older version if the newest is damaged",
     )
     p.add_argument(
+        "--allow-generator-change",
+        action="store_true",
+        help="resume although the store's noise came from another build of the noise "
+        "generator (other numpy/torch releases, or the retired v1 scheme): the noise "
+        "goes on, but no longer bit-identical to an uninterrupted run",
+    )
+    p.add_argument(
         "--allow-device-change",
         action="store_true",
         help="resume on another device type than the store's (the noise is the same; the "
@@ -303,7 +310,9 @@ def run(args: argparse.Namespace) -> int:
             key_file=args.key_file,
             takeover=args.takeover,
             allow=ResumeAllowances(
-                fallback=args.allow_fallback, device_change=args.allow_device_change
+                fallback=args.allow_fallback,
+                device_change=args.allow_device_change,
+                generator_change=args.allow_generator_change,
             ),
             on_step=None if progress is None else progress.on_step,
             on_precompute=None if progress is None else progress.on_precompute,
