@@ -1,5 +1,5 @@
-"""The user's own loop (`open_job`): the README's example runs; a stop then a resume
-through the API ends bit-identical to an uninterrupted run; a store written by it is as
+"""The user's own loop (`open_job`; the README's example runs in tests/docs/): a stop
+then a resume through the API ends bit-identical to an uninterrupted run; a store written by it is as
 complete as run_job's (inspect, diff, gc, audit, export); SIGINT in the loop and
 SIGKILL of a process running the loop both resume exactly."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -39,27 +38,6 @@ def _model(url: str) -> dict[str, torch.Tensor]:
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def _readme_block() -> str:
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Your own loop", 1)[1].split("\n## ", 1)[0]
-    found = re.search(r"```python\n(.*?)```", section, re.S)
-    assert found is not None, "README: no python block under 'Your own loop'"
-    return found.group(1)
-
-
-def test_readme_example_runs_and_its_store_exports(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    code = _readme_block()
-    assert len(code.strip().splitlines()) <= 20  # "about 15 lines"
-    monkeypatch.chdir(tmp_path)
-    exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
-    latest = Store.open(str(tmp_path / "own-loop.zarr"), create=False).latest()
-    assert latest is not None
-    assert (tmp_path / "own-loop.pt").exists() == (latest.step == 60)
-    assert inspect_store(str(tmp_path / "own-loop.zarr"))["job"] is not None
 
 
 def _loop(config: JobConfig, url: str, key: str, stop: int | None = None) -> int:
