@@ -16,9 +16,11 @@ import stat
 from cocoon_ckpt.errors import NoiseKeyError
 from cocoon_ckpt.layout import KEY_SECRET
 from state import Store
+from state.root import enclosing_store
 
 __all__ = [
     "KEY_BYTES",
+    "check_key_file_place",
     "create_key_file",
     "key_id",
     "key_location",
@@ -44,6 +46,39 @@ def new_key() -> bytes:
 def key_location(key_file: str | None) -> str:
     """What a version records as the key's location."""
     return "key_file" if key_file else f"store:secret/{KEY_SECRET}"
+
+
+def check_key_file_place(key_file: str, store_url: str) -> None:
+    """Refuse a key file inside a store's tree: the store's own (`store_url`, existing or
+    about to be created) or any other cocoon-ckpt store above it. A store's retention and
+    gc delete the files its manifests do not name, the key with them, and a store whose
+    key is gone can neither resume nor be audited. Local paths only: whether an object
+    store's URL and a local file overlap is not asked (they cannot).
+
+    Raises:
+        NoiseKeyError: naming the key file, the store and the fix.
+    """
+    where = os.path.realpath(key_file)
+    inside = enclosing_store(where)
+    own = _local_path(store_url)
+    if inside is None and own is not None:
+        root = os.path.realpath(own)
+        if where == root or where.startswith(root.rstrip(os.sep) + os.sep):
+            inside = root
+    if inside is not None:
+        raise NoiseKeyError(
+            f"--key-file {key_file} lies inside the store {inside}, whose retention and gc "
+            "delete files its manifests do not name (the key with them: the job could then "
+            "neither resume nor be audited); nothing was written: keep the key file outside "
+            "every store"
+        )
+
+
+def _local_path(url: str) -> str | None:
+    """The local path of a store URL (a plain path or `file://`), or None for others."""
+    if url.startswith("file://"):
+        return url[len("file://") :]
+    return None if "://" in url or "::" in url else url
 
 
 def read_key_file(path: str) -> bytes:
@@ -84,9 +119,10 @@ def load_key(store: Store, key_file: str | None) -> bytes:
 
     Raises:
         NoiseKeyError: the key is not there (the message says to pass --key-file), or
-            the key file is refused (see `read_key_file`).
+            the key file is refused (see `read_key_file`, `check_key_file_place`).
     """
     if key_file is not None:
+        check_key_file_place(key_file, store.url)
         return read_key_file(key_file)
     key = store.get_secret(KEY_SECRET)
     if key is None:

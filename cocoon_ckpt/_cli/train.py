@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +18,7 @@ from cocoon_ckpt._cli.train_config import (
 from cocoon_ckpt.dp.mechanism import MechanismKind
 from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.train.config import NOISE_RNGS, OPTIMIZERS, JobConfig
+from state.canonical_json import load_bounded
 
 if TYPE_CHECKING:
     from cocoon_ckpt._cli.args import Subparsers
@@ -227,20 +227,12 @@ def add_parser(sub: Subparsers) -> None:
 
 
 def _option_value(text: str) -> Any:
-    """VALUE of --job-option: JSON where it parses to a finite value, else the text."""
-
-    def finite(number: str) -> float:
-        value = float(number)
-        if not math.isfinite(value):
-            # NaN never equals itself: a resume could never match the stored options
-            raise ValueError(number)
-        return value
-
-    def refuse(constant: str) -> Any:
-        raise ValueError(constant)
-
+    """VALUE of --job-option: JSON where it parses within the bounds a record is read
+    with (`state.canonical_json.load_bounded`: finite numbers, as NaN never equals itself
+    and a resume could never match the stored options; numbers of at most 100
+    characters; at most 128 levels), else the text."""
     try:
-        return json.loads(text, parse_float=finite, parse_constant=refuse)
+        return load_bounded(text)
     except ValueError:  # JSONDecodeError included
         return text
 

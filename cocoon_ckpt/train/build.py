@@ -13,6 +13,7 @@ from torch.utils.data import Dataset
 from cocoon_ckpt._state_dict import uncompiled
 from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.embedding.engine import TablePlan
+from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.layout import THREAT_MODEL_DEFAULT
 from cocoon_ckpt.records import ModelShapes
 from cocoon_ckpt.train.config import JobConfig
@@ -21,11 +22,13 @@ from cocoon_ckpt.train.identity import check_config_optimizer
 from cocoon_ckpt.train.job_data import JobData
 from cocoon_ckpt.train.mechanisms import Mechanism, build_mechanism, mechanism_from_state
 from cocoon_ckpt.train.model_checks import check_model
+from cocoon_ckpt.train.part_state import encode_part_state
 from cocoon_ckpt.train.parts import JobParts, resolve
 from cocoon_ckpt.train.trainer import DPTrainer
 
 __all__ = [
     "build_trainer",
+    "check_part_states",
     "check_parts",
     "job_parts",
     "model_shapes",
@@ -49,10 +52,12 @@ def build_trainer(
     Raises:
         ValueError: the builder does not take (config) or does not return JobParts.
         ConfigError: the job's optimizer is not the one `config.optimizer`/`lr` name,
-            or its dataset's size is not `config.dp.dataset_size`.
+            its dataset's size is not `config.dp.dataset_size`, or a part's state could
+            not be checkpointed (`check_part_states`).
     """
     parts = job_parts(config, builder)
     check_config_optimizer(parts.optimizer, config.optimizer, config.lr, parts.scheduler)
+    check_part_states(parts)
     if dist is not None:
         mechanism = rank0_mechanism(config, dist, mechanism)
     return DPTrainer(
@@ -120,9 +125,30 @@ def check_parts(config: JobConfig, parts: JobParts) -> None:
         ValueError: embedding noise with no table named; a table is not a parameter.
     """
     check_config_optimizer(parts.optimizer, config.optimizer, config.lr, parts.scheduler)
+    check_part_states(parts)
     # the trainer's own data and model checks, run without the trainer
     JobData(_dataset(config, parts), config.dp.dataset_size, needs_tensors=bool(config.embedding))
     check_model(uncompiled(parts.model), parts.loss_fn, config.dp, _embedding(config, parts))
+
+
+def check_part_states(parts: JobParts) -> None:
+    """Refuse a scheduler or stateful part whose `state_dict()` no version could hold
+    (another type than the part-state grammar's, nested deeper than
+    `part_state.MAX_PART_DEPTH`) now, before anything is written, not at the first
+    checkpoint.
+
+    Raises:
+        ConfigError: naming the part and what in its state is refused.
+    """
+    named: dict[str, Any] = {} if parts.scheduler is None else {"scheduler": parts.scheduler}
+    named.update({f"stateful/{name}": part for name, part in parts.stateful.items()})
+    for prefix, part in named.items():
+        try:
+            encode_part_state(part.state_dict(), prefix, None)  # checks, copies nothing
+        except TypeError as exc:
+            raise ConfigError(
+                f"{type(part).__name__}.state_dict() of the job's {prefix}: {exc}"
+            ) from None
 
 
 def _embedding(config: JobConfig, parts: JobParts) -> EmbeddingConfig | None:

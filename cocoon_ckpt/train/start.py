@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from cocoon_ckpt.keys import load_key, new_key, read_key_file, save_key
+from cocoon_ckpt.keys import check_key_file_place, load_key, new_key, read_key_file, save_key
 from cocoon_ckpt.layout import KEY_SECRET
 from cocoon_ckpt.train.allowances import ResumeAllowances
 from cocoon_ckpt.train.build import check_parts, job_parts
@@ -64,6 +64,8 @@ def start_job(
             calibrates it: `train.target_epsilon.calibrated_job`), before anything opens.
     """
     _ = config.dp.sigma  # the noise multiplier that will run, given or calibrated
+    if key_file is not None:
+        check_key_file_place(key_file, store_url)  # before the store is created
     store = _open_existing(store_url, storage_options, fs)
     try:
         for _ in range(2):
