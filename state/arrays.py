@@ -296,6 +296,8 @@ def read_array(
         )
         separator = str(stored)
     if not direct:
+        if backend.local:  # zarr opens its chunks plainly: a FIFO among them would block
+            _refuse_special_files(backend.path(f"{group}/{name}"), f"{group}/{name}")
         out = np.asarray(zarr.open_array(backend.zarr_store(group), path=name, mode="r")[...])
         return out, array_checksum(out)
     out = np.empty(shape, dtype=dtype)
@@ -320,6 +322,24 @@ def read_array(
         if chunk_crc != int.from_bytes(data[1], "little"):
             raise ValueError(f"chunk {group}/{name}/{key} fails its crc32c: it is damaged")
     return out, f"crc32c:{array_crc:08x}"
+
+
+def _refuse_special_files(top: str, rel: str) -> None:
+    """Refuse an array folder holding anything but regular files and folders (a FIFO,
+    a device, a socket, through a link or not), before zarr opens its chunks.
+
+    Raises:
+        ValueError: naming the file.
+    """
+    for folder, _dirs, files in os.walk(top):
+        for name in files:
+            try:
+                mode = os.stat(os.path.join(folder, name)).st_mode
+            except OSError:
+                continue  # a broken link or a file gone: zarr reports it missing
+            if not stat.S_ISREG(mode):
+                sub = os.path.relpath(os.path.join(folder, name), top)
+                raise ValueError(f"{rel}/{sub} is not a regular file: it is damaged")
 
 
 def _read_chunk(

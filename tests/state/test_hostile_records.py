@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from state import CorruptVersionError, Manifest, Store, StoreError, restamp
+from state.arrays import read_array
 from state.canonical_json import (
     MAX_DEPTH,
     MAX_NUMBER_CHARS,
@@ -27,7 +28,8 @@ from state.canonical_json import (
 )
 from state.errors import UnsafeFileError
 from state.lease import DamagedLeaseError, acquire_lease, current_holder
-from state.paths import lease_heartbeat_path, lease_path, manifest_path
+from state.paths import array_group, lease_heartbeat_path, lease_path, manifest_path
+from state.process import this_host
 
 # FIFO tests: the code must never block; this only turns a regression into a failure.
 _NO_HANG = pytest.mark.timeout(60)
@@ -305,8 +307,6 @@ def test_lease_warnings_never_show_a_negative_duration(
     store = Store.open(str(tmp_path / "s.zarr"))
     backend = store.backend
     rec = json.loads(_foreign_record(1, time.time()))
-    from state.process import this_host
-
     rec.update(host=this_host(), pid=2**22 + 12345, proc_start=1.0)  # no such process
     backend.makedirs("leases")
     backend.create_once(lease_path(1), json.dumps(rec).encode())
@@ -320,3 +320,19 @@ def test_manifest_from_bytes_still_reads_what_it_wrote(tmp_path: Path) -> None:
     store = _three_versions(tmp_path / "s.zarr")
     m = store.manifest(3)
     assert Manifest.from_bytes(m.to_bytes(), version=3, where="x").records == m.records
+
+
+@_NO_HANG
+def test_a_fifo_chunk_of_an_array_zarr_reads_itself_is_refused(tmp_path: Path) -> None:
+    """An array whose zarr.json is not this library's layout is read by zarr, which
+    opens chunks plainly: a FIFO among them is refused before zarr sees it."""
+    store = _three_versions(tmp_path / "s.zarr")
+    folder = Path(store.backend.path(store.manifest(3).arrays["w"].path))
+    meta = json.loads((folder / "zarr.json").read_text())
+    meta["attributes"] = {"planted": True}
+    meta["codecs"] = meta["codecs"][:1]  # not the expected codecs: zarr reads it
+    (folder / "zarr.json").write_text(json.dumps(meta))
+    _fifo_at(folder / "c.0")
+    group, name = array_group(store.manifest(3).arrays["w"].path)
+    with pytest.raises(ValueError, match="c.0 is not a regular file"):
+        read_array(store.backend, group, name)
