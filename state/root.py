@@ -9,6 +9,7 @@ import stat
 from typing import Any
 
 from .backend import Backend
+from .canonical_json import load_bounded
 from .errors import FormatVersionError, NotAStoreError
 from .manifest import FORMAT_VERSION
 from .paths import LEASES, MANIFESTS, ROOT_META, SHARED, VERSIONS, is_partial
@@ -108,7 +109,7 @@ def load_root(backend: Backend, raw: bytes) -> dict[str, Any]:
         FormatVersionError: the store is of a newer format.
     """
     try:
-        doc = json.loads(raw)
+        doc = load_bounded(raw)  # a planted root nested 10,000 deep is not a store
         attrs = doc["attributes"][ATTRIBUTES_KEY]
     except (ValueError, KeyError, TypeError) as exc:
         raise NotAStoreError(
@@ -163,9 +164,9 @@ def _is_store_root(folder: str) -> bool:
     finally:
         os.close(fd)
     try:
-        doc = json.loads(raw)
+        doc = load_bounded(raw)
         return isinstance(doc, dict) and ATTRIBUTES_KEY in doc["attributes"]
-    except (ValueError, KeyError, TypeError, RecursionError):
+    except (ValueError, KeyError, TypeError):
         return False
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from state import CorruptVersionError, Manifest, Store, StoreError, restamp
+from state import CorruptVersionError, Manifest, NotAStoreError, Store, StoreError, restamp
 from state.arrays import read_array
 from state.canonical_json import (
     MAX_DEPTH,
@@ -336,3 +336,12 @@ def test_a_fifo_chunk_of_an_array_zarr_reads_itself_is_refused(tmp_path: Path) -
     group, name = array_group(store.manifest(3).arrays["w"].path)
     with pytest.raises(ValueError, match="c.0 is not a regular file"):
         read_array(store.backend, group, name)
+
+
+def test_a_deeply_nested_root_is_not_a_store(tmp_path: Path) -> None:
+    root = tmp_path / "s.zarr"
+    root.mkdir()
+    (root / "zarr.json").write_text('{"attributes": ' + "[" * 5000 + "]" * 5000 + "}")
+    with pytest.raises(NotAStoreError, match="not a cocoon-ckpt store root"):
+        Store.open(str(root))
+    assert sorted(p.name for p in root.iterdir()) == ["zarr.json"]
