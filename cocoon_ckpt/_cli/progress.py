@@ -60,7 +60,9 @@ class Progress:
         self._shown = {"eps": "-", "ckpt": "-"}
         self._started = False
         self._next_version = 1
-        self._mark: tuple[int, float] = (0, 0.0)  # (step, monotonic time) of the last line
+        # (steps done, monotonic time) at the last line, or at the end of the run's first
+        # step: the seconds per step are timed from there, start-up excluded
+        self._mark: tuple[int, float] | None = None
         self._lines: queue.Queue[tuple[str, Accountant] | None] = queue.Queue()
         self._writer: threading.Thread | None = None
 
@@ -123,7 +125,6 @@ class Progress:
         # Versions are numbered newest + 1 under the writer lease this job holds.
         versions = Store.open(self._store, storage_options=self._options, create=False).versions()
         self._next_version = (versions[-1] + 1) if versions else 1
-        self._mark = (resumed_at or 0, time.monotonic())
         where = f"job {self._job} on {self._store}"
         if resumed_at is None:
             what = f"a new run of {self._steps} steps"
@@ -134,20 +135,22 @@ class Progress:
     def _line_step(self, res: StepResult, trainer: DPTrainer) -> None:
         if not self._started:
             self._start(resumed_at=res.step if res.step > 0 else None)
-        done = trainer.step_index
+        done, now = trainer.step_index, time.monotonic()
+        if self._mark is None:
+            self._mark = (done, now)
         if done % self._every and done != self._steps:
             return
         from cocoon_ckpt.dp.accountant import Accountant
 
         last_step, last_time = self._mark
-        now = time.monotonic()
-        per_step = (now - last_time) / max(done - last_step, 1)
+        timed = done - last_step
+        per_step = f"{(now - last_time) / timed:.3f}" if timed else "-"
         self._mark = (done, now)
         version = self._next_version
         self._next_version += 1
         head = (
             f"step {done}/{self._steps}: loss {res.loss:.4f}, epsilon {{eps}}, "
-            f"version {version}, {per_step:.3f} s/step"
+            f"version {version}, {per_step} s/step"
         )
         # epsilon at this step is a PLD composition (tens of ms): composed off the
         # training thread, one line at a time, in order

@@ -16,7 +16,7 @@ from state import Store
 
 LINE = re.compile(
     r"step (\d+)/(\d+): loss (\d+\.\d{4}), epsilon (\d+\.\d{3}), version (\d+), "
-    r"(\d+\.\d{3}) s/step"
+    r"(\d+\.\d{3}|-) s/step"
 )
 
 
