@@ -168,3 +168,40 @@ def test_a_restamped_hostile_manifest_is_damage_the_fallback_gc_and_audit_pass_o
     assert code == 0, err
     code, out, err = _main(capsys, "audit", str(store), "--seed", "0")
     assert code == 0, out + err
+
+
+def test_planted_lease_records_neither_crash_nor_block_the_store(
+    committed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = _copy(committed, tmp_path)
+    leases = store / "leases"
+    newest = max(int(p.stem) for p in leases.glob("*.json"))
+    planted = leases / f"{newest + 1:08d}.json"
+    deep = "[" * 5000 + "]" * 5000
+    planted.write_text(f'{{"generation": {newest + 1}, "x": {deep}}}')
+    before = sorted(p.name for p in (store / "manifests").iterdir())
+    code, out, err = _main(capsys, "train", "--store", str(store), *SMALL)
+    assert code == 1 and err.count("\n") == 1, err
+    assert f"leases/{newest + 1:08d}.json is not a lease record" in err and "--takeover" in err
+    assert sorted(p.name for p in (store / "manifests").iterdir()) == before
+    code, out, err = _main(capsys, "train", "--store", str(store), *SMALL, "--takeover")
+    assert code == 0, out + err
+    # a live-looking writer on another host, its renewal a clock could never give:
+    # expired, not alive for ever
+    gen = max(int(p.stem) for p in leases.glob("*.json")) + 1
+    record = {
+        "owner": "elsewhere:1:x",
+        "generation": gen,
+        "host": "another-host",
+        "pid": 1,
+        "acquired": "2026-01-01T00:00:00+00:00",
+        "renewed": 1e308,
+        "expiry_s": 60.0,
+    }
+    (leases / f"{gen:08d}.json").write_text(json.dumps(record))
+    code, out, err = _main(capsys, "train", "--store", str(store), *SMALL)
+    assert code == 0, out + err
+    # a generation planted far beyond the sequence is no generation
+    (leases / f"{10**15:08d}.json").write_text(json.dumps({**record, "generation": 10**15}))
+    code, out, err = _main(capsys, "train", "--store", str(store), *SMALL)
+    assert code == 0, out + err
