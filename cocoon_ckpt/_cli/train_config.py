@@ -250,6 +250,13 @@ def _calibrated(config: JobConfig, store: str, args: argparse.Namespace) -> tupl
     """`config` with sigma decided for a target epsilon (calibrated for a new store, the
     stored one on resume), so what the command shows and runs is what the store records.
     A config without a target is returned untouched, the store unopened."""
+    # Under torchrun the ranks first agree on what they were asked: a target on one rank
+    # alone would send it into the calibration's collective while the others skip it.
+    from cocoon_ckpt.train.rank_agreement import agree_on_request  # no torch in one process
+
+    agree_on_request(
+        config, store, key_file=args.key_file, storage_options=storage_options(args), fs=None
+    )
     if config.dp.target_epsilon is None:
         return config, store
     from cocoon_ckpt.train.target_epsilon import calibrated_job  # dp-accounting: not at --help

@@ -152,6 +152,31 @@ class DistContext:
             raise failure
         raise unpacked(failures[first])
 
+    def gather_checked(self, compute: Callable[[], T]) -> list[T]:
+        """`compute()` run on every rank, every rank's result on every rank (in rank
+        order), or, where any rank's raised, the failure of the lowest such rank raised on
+        every rank as `agree` raises it: the ranks compare what they gathered without a
+        second collective, and none goes on while another stops.
+
+        Raises:
+            BaseException: the lowest failing rank's failure.
+        """
+        failure: BaseException | None = None
+        value: T | None = None
+        try:
+            value = compute()
+        except BaseException as exc:
+            failure = exc
+        gathered = self.all_gather_object(
+            ("ok", value) if failure is None else ("error", packed(failure))
+        )
+        first = next((r for r, (status, _) in enumerate(gathered) if status == "error"), None)
+        if first is not None:
+            if first == self.rank and failure is not None:
+                raise failure
+            raise unpacked(gathered[first][1])
+        return [v for _, v in gathered]
+
     def from_coordinator(self, compute: Callable[[], T]) -> T:
         """`compute()` run on rank 0 alone, its result (or its failure, raised as rank 0
         raised it) on every rank.

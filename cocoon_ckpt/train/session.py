@@ -41,6 +41,7 @@ from cocoon_ckpt.train.job_records import job_records
 from cocoon_ckpt.train.metrics import MetricsError, TrainingMetrics, step_scalars
 from cocoon_ckpt.train.parts import JobParts
 from cocoon_ckpt.train.preempt import Preemption, preempted_error
+from cocoon_ckpt.train.rank_agreement import agree_on_request
 from cocoon_ckpt.train.start import parts_on_ranks, start_ranks, trainer_on_ranks
 from cocoon_ckpt.train.target_epsilon import calibrated_job
 from cocoon_ckpt.train.trainer import DPTrainer, StepResult
@@ -113,6 +114,9 @@ def open_job(
         generator_change=allow_generator_change,
         device_change=allow_device_change,
     )
+    # under torch.distributed the ranks first agree on what they were asked (nothing in
+    # one process): before the calibration, whose collective only a target enters
+    agree_on_request(config, store_url, key_file=key_file, storage_options=storage_options, fs=fs)
     config = calibrated_job(
         config, store_url, storage_options=storage_options, fs=fs, allow_fallback=allow.fallback
     )

@@ -2,25 +2,31 @@
 lease, keep a new job's key), so a refused start changes nothing.
 
 Under torch.distributed every rank builds and checks its parts before the coordinator
-writes (`parts_on_ranks`), then the coordinator alone checks the store and writes while
-the others wait for its lease, key and version (`start_ranks`); a refusal on any rank is
-raised on every rank as it was raised, so all exit alike with nothing written.
+writes (`parts_on_ranks`), and the ranks compare what they built (`rank_agreement`, as
+they compared their flags, store and key before); then the coordinator alone checks the
+store and writes while the others wait for its lease, key and version (`start_ranks`); a
+refusal on any rank is raised on every rank as it was raised, so all exit alike with
+nothing written.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
-from cocoon_ckpt.keys import check_key_file_place, load_key, new_key, read_key_file, save_key
-from cocoon_ckpt.layout import KEY_SECRET
+from cocoon_ckpt.keys import check_key_file_place, key_id, load_key, new_key, save_key
 from cocoon_ckpt.train.allowances import ResumeAllowances
 from cocoon_ckpt.train.build import check_parts, job_parts
 from cocoon_ckpt.train.config import JobConfig
 from cocoon_ckpt.train.distributed import DistContext, check_distributed
 from cocoon_ckpt.train.parts import JobParts
+from cocoon_ckpt.train.rank_agreement import (
+    agree_on,
+    check_coordinator_key,
+    found_key,
+    parts_values,
+)
 from cocoon_ckpt.train.resume import check_records, prepare_trainer
 from cocoon_ckpt.train.trainer import DPTrainer
 from state import Store, StoreError, StoreNotFoundError, Version
@@ -105,16 +111,10 @@ def start_job(
 
 
 def _job_key(store: Store | None, key_file: str | None, *, resuming: bool) -> bytes:
-    """The job's key, read but not yet written: a resume's own key, the key a fresh job
-    finds (a key file of the user's, or a store whose first run died before its first
-    commit), or a new one that `save_key` keeps once every check has passed."""
-    if key_file is not None:
-        if resuming or os.path.lexists(key_file):
-            return read_key_file(key_file)
-        return new_key()
-    if store is not None and (resuming or store.get_secret(KEY_SECRET) is not None):
-        return load_key(store, None)
-    return new_key()
+    """The job's key, read but not yet written: the key a start finds (`found_key`), or a
+    new one that `save_key` keeps once every check has passed."""
+    key = found_key(store, key_file, resuming=resuming)
+    return key if key is not None else new_key()
 
 
 def parts_on_ranks(
@@ -124,14 +124,18 @@ def parts_on_ranks(
     collectives and draws the model's initial weights) and checked as its trainer would,
     before the coordinator writes anything: a refusal on any rank is raised on every
     rank, with nothing written."""
-    try:
+    built: list[JobParts] = []
+
+    def build() -> dict[str, str]:
         check_distributed(config.embedding, dist.world)
-        parts = job_parts(config, builder)
-        check_parts(config, parts)
-    except BaseException as exc:
-        dist.agree(exc)  # raises, on every rank
-        raise
-    dist.agree(None)  # the other ranks' checks passed too
+        built.append(job_parts(config, builder))
+        check_parts(config, built[0])
+        return parts_values(config, built[0])
+
+    # a failure on any rank, or parts that differ between ranks (model shapes, optimizer,
+    # dataset), raised on every rank
+    agree_on(dist, build)
+    parts = built[0]
     return lambda _config: parts
 
 
@@ -148,15 +152,15 @@ def start_ranks(
         return start_job(config, store_url, builder=builder, dist=None, **kw)
     started: list[tuple[Store, Version | None, bytes, DPTrainer | None]] = []
 
-    def start() -> int | None:
+    def start() -> tuple[int | None, str]:
         started.append(start_job(config, store_url, builder=builder, dist=dist, **kw))
         latest = started[0][1]
-        return latest.version if latest is not None else None
+        return (latest.version if latest is not None else None), key_id(started[0][2])
 
     # the other ranks wait for the coordinator's lease, key and choice of version, and
     # raise its refusal as it raised it
     try:
-        version = dist.from_coordinator(start)
+        version, coordinator_key = dist.from_coordinator(start)
     except BaseException:
         _release(started)  # the broadcast of rank 0's "ok" failed after its lease
         raise
@@ -168,8 +172,16 @@ def start_ranks(
         try:
             opts, fs = kw["storage_options"], kw["fs"]
             store = Store.open(store_url, storage_options=opts, fs=fs, create=False)
+            key = load_key(store, kw["key_file"])
+            # Every key visible before the first write was compared then
+            # (`agree_on_request`): this one differs only where rank 0 made a new key and
+            # the key file's path names another file here (another host's disk). A new
+            # key exists nowhere before rank 0 keeps it after its lease (it never crosses
+            # the network: ranks compare ids), so this check comes right after; refused,
+            # the lease is released and no version was committed.
+            check_coordinator_key(coordinator_key, key, dist.rank, dist.world)
             latest = store.read(version) if version is not None else None
-            mine.append((store, latest, load_key(store, kw["key_file"]), None))
+            mine.append((store, latest, key, None))
         except BaseException as exc:
             failure = exc
     try:

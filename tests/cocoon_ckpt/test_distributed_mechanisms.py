@@ -150,13 +150,13 @@ def test_embedding_noise_on_ranks_is_refused_before_any_write(tmp_path: Path) ->
 
 
 class _Rank0Of2:
-    """Rank 0 of 2 in one process; rank 1's checks passed."""
+    """Rank 0 of 2 in one process; rank 1's checks passed (it built no parts)."""
 
     rank, world = 0, 2
-    agree = DistContext.agree
+    gather_checked = DistContext.gather_checked
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        return [obj, None]
+        return [obj, ("ok", {})]
 
 
 class _Ranks:
