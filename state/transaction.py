@@ -16,7 +16,8 @@ import numpy as np
 
 from . import hooks
 from .arrays import ensure_groups, write_array, written_meta
-from .errors import CommitConflictError
+from .canonical_json import canonical_text, load_bounded
+from .errors import CommitConflictError, StoreError
 from .lease import Lease
 from .manifest import ArrayMeta, Manifest
 from .paths import check_name, manifest_path, unsafe_path_reason, version_folder
@@ -160,8 +161,18 @@ class Transaction(_VersionWriter):
         self._arrays[name] = meta
 
     def put_record(self, name: str, record: Any) -> None:
-        """A small JSON-serialisable record carried inside the manifest."""
-        json.dumps(record)  # fail now, not at commit, on something not serialisable
+        """A small JSON-serialisable record carried inside the manifest.
+
+        Raises:
+            TypeError: something in it is not serialisable.
+            NonFiniteError: it holds NaN or an infinity (JSON has neither), named by
+                where (a ValueError).
+        """
+        try:  # fail now, not at commit
+            json.dumps(record, allow_nan=False)
+        except ValueError:
+            canonical_text({"records": {name: record}})  # raises, naming where
+            raise
         self._records[name] = record
 
     def commit(self) -> Manifest:
@@ -208,8 +219,8 @@ class Transaction(_VersionWriter):
             )
         except FileExistsError:
             try:
-                writer = json.loads(backend.read_bytes(path)).get("writer")
-            except (OSError, ValueError):
+                writer = load_bounded(backend.read_bytes(path)).get("writer")
+            except (OSError, ValueError, AttributeError, StoreError):  # not one, a FIFO
                 writer = "unknown"
             raise CommitConflictError(
                 f"{backend.url}: version {self.version} was committed by another writer "

@@ -16,7 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from state import CorruptVersionError, Manifest, NotAStoreError, Store, StoreError, restamp
+from state import (
+    CommitConflictError,
+    CorruptVersionError,
+    Manifest,
+    NotAStoreError,
+    Store,
+    StoreError,
+    restamp,
+)
 from state.arrays import read_array
 from state.canonical_json import (
     MAX_DEPTH,
@@ -86,10 +94,10 @@ def test_a_nan_in_a_record_never_reaches_a_manifest(tmp_path: Path) -> None:
     store.acquire_lease()
     txn = store.begin(1)
     txn.put_array("w", np.zeros(3))
-    txn.put_record("stateful", {"ema": {"kind": "EMA", "state": {"decay": math.nan}}})
     with pytest.raises(NonFiniteError, match="records/stateful/ema/state/decay is nan"):
-        txn.commit()
-    assert store.versions() == []
+        txn.put_record("stateful", {"ema": {"kind": "EMA", "state": {"decay": math.nan}}})
+    txn.commit()
+    assert store.versions() == [1] and "stateful" not in store.manifest(1).records
 
 
 # -- hostile manifests ----------------------------------------------------------------
@@ -336,6 +344,16 @@ def test_a_fifo_chunk_of_an_array_zarr_reads_itself_is_refused(tmp_path: Path) -
     group, name = array_group(store.manifest(3).arrays["w"].path)
     with pytest.raises(ValueError, match="c.0 is not a regular file"):
         read_array(store.backend, group, name)
+
+
+def test_a_conflicting_hostile_manifest_is_named_a_conflict(tmp_path: Path) -> None:
+    store = Store.open(str(tmp_path / "s.zarr"))
+    store.acquire_lease()
+    txn = store.begin(1)
+    txn.put_array("w", np.zeros(2))
+    Path(store.backend.path(manifest_path(1))).write_text("[" * 5000 + "]" * 5000)
+    with pytest.raises(CommitConflictError, match="committed by another writer \\(unknown\\)"):
+        txn.commit()
 
 
 def test_a_deeply_nested_root_is_not_a_store(tmp_path: Path) -> None:
