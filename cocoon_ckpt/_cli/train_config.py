@@ -17,6 +17,7 @@ from cocoon_ckpt._cli.args import storage_options
 from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.tiers.config import TierConfig
 from cocoon_ckpt.train.config import ACCOUNTANTS, DPConfig, JobConfig, section_from_record
+from state.canonical_json import load_bounded
 
 __all__ = [
     "EMBEDDING_FLAGS",
@@ -125,7 +126,7 @@ def _given(args: argparse.Namespace, flags: dict[str, str]) -> dict[str, Any]:
 def _read_config_file(path: str) -> dict[str, Any]:
     try:
         with open(path) as f:
-            doc = json.load(f)
+            doc = load_bounded(f.read())  # a RecursionError would name nothing
     except OSError as exc:
         raise ConfigError(f"--config {path}: cannot read it ({exc.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -142,7 +143,7 @@ def _tiers(args: argparse.Namespace) -> TierConfig | None:
     if args.tiers is None:
         return None
     try:
-        rec = json.loads(args.tiers)
+        rec = load_bounded(args.tiers)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"--tiers is not valid JSON ({exc}); pass a JSON object") from None
     if not isinstance(rec, dict):

@@ -186,3 +186,18 @@ def test_a_deeply_nested_job_option_is_text_not_a_recursion_error() -> None:
     deep = "[" * 100_000 + "]" * 100_000
     opts = job_options([f"deep={deep}", "big=1" + "0" * 5000, "nan=NaN", "ok=[1, 2]"])
     assert opts == {"deep": deep, "big": "1" + "0" * 5000, "nan": "NaN", "ok": [1, 2]}
+
+
+def test_a_deeply_nested_config_or_tiers_is_a_named_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    deep = "[" * 5000 + "]" * 5000
+    cfg = tmp_path / "job.json"
+    cfg.write_text('{"job": "example:mlp", "dp": ' + deep + "}")
+    store = tmp_path / "s.zarr"
+    code, err = _main(capsys, "train", "--config", str(cfg), "--store", str(store))
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"--config {cfg}: not valid JSON (nested deeper than 128 levels" in err
+    code, err = _main(capsys, "train", "--store", str(store), "--tiers", deep, *SMALL)
+    assert code == 2 and "--tiers is not valid JSON (nested deeper than 128 levels" in err, err
+    assert not store.exists()
