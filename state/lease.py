@@ -57,6 +57,9 @@ log = logging.getLogger("state.lease")
 
 #: Seconds a writer's lease lives without renewal (it renews every third of this).
 DEFAULT_LEASE_EXPIRY_S = 60.0
+#: The longest expiry a reader believes of a lease record, seconds (a week): a planted
+#: `expiry_s: 1e308` would otherwise hold the store for ever.
+MAX_BELIEVED_EXPIRY_S = 7 * 24 * 3600.0
 
 
 def _generations(backend: Backend) -> list[int]:
@@ -83,6 +86,13 @@ def _number(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value) if math.isfinite(value) else None
+
+
+def _expiry(rec: dict[str, Any]) -> float | None:
+    """The record's expiry in seconds, at most `MAX_BELIEVED_EXPIRY_S`; None where it
+    records none (or not a positive number)."""
+    expiry = _number(rec.get("expiry_s"))
+    return None if expiry is None or expiry <= 0 else min(expiry, MAX_BELIEVED_EXPIRY_S)
 
 
 def _read_record(backend: Backend, rel: str) -> dict[str, Any] | None:
@@ -112,8 +122,8 @@ def _last_renewal(backend: Backend, gen: int, rec: dict[str, Any], now: float) -
         beat = None  # no renewal yet: the record's time counts (a damaged one: likewise)
     if beat is not None and beat.get("generation") == gen:
         times.append(_number(beat.get("renewed")))
-    expiry = _number(rec.get("expiry_s"))
-    horizon = now + (expiry if expiry is not None and expiry > 0 else DEFAULT_LEASE_EXPIRY_S)
+    expiry = _expiry(rec)
+    horizon = now + (DEFAULT_LEASE_EXPIRY_S if expiry is None else expiry)
     known = [t for t in times if t is not None and t <= horizon]
     return max(known) if known else None
 
@@ -144,7 +154,7 @@ def current_holder(backend: Backend) -> dict[str, Any] | None:
             generation=gen,
         )
     rec["released"] = backend.exists(lease_released_path(gen))
-    expiry = _number(rec.get("expiry_s"))
+    expiry = _expiry(rec)
     stated, now = rec.get("renewed"), time.time()
     renewed = _last_renewal(backend, gen, rec, now)
     rec["renewed"] = renewed

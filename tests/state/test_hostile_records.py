@@ -289,6 +289,13 @@ def test_a_heartbeat_renewed_in_the_far_future_does_not_block_the_store(
     with caplog.at_level(logging.WARNING, logger="state.lease"):
         assert acquire_lease(backend).generation == 4
     assert "no believable renewal time (1e+308" in caplog.text
+    # nor does an expiry no writer would choose: a week at most is believed
+    week_ago = json.loads(_foreign_record(5, time.time() - 8 * 24 * 3600))
+    week_ago["expiry_s"] = 1e308
+    backend.create_once(lease_path(5), json.dumps(week_ago).encode())
+    holder = current_holder(backend)
+    assert holder is not None and holder["expires"] < time.time()
+    assert acquire_lease(backend).generation == 6
 
 
 def test_a_planted_generation_beyond_a_gap_is_ignored(
