@@ -25,6 +25,7 @@ __all__ = [
     "key_id",
     "key_location",
     "load_key",
+    "manifest_mac_key",
     "new_key",
     "read_key_file",
     "save_key",
@@ -36,6 +37,14 @@ KEY_BYTES = 32
 def key_id(key: bytes) -> str:
     """A public id of the noise key (keyed hash): tells keys apart, reveals nothing."""
     return hashlib.blake2b(b"cocoon-key-id", key=key, digest_size=8).hexdigest()
+
+
+def manifest_mac_key(key: bytes) -> bytes:
+    """The key that MACs the job's manifests (`state.Store.authenticate_with`), derived
+    from the noise key by keyed BLAKE2b under its own personalisation: a MAC reveals
+    nothing of the noise key, and no other use of the key (its id, the noise) can stand
+    in for it."""
+    return hashlib.blake2b(b"", key=key, person=b"cc-manifest-key", digest_size=32).digest()
 
 
 def new_key() -> bytes:

@@ -9,15 +9,18 @@ import json
 import random
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from cocoon_ckpt import JobConfig, run_job
+from cocoon_ckpt.keys import manifest_mac_key
 from state import CorruptVersionError, Store, restamp
 from state.paths import manifest_path, version_prefix
 
 from .crash import CrashPointHit, crash_at, disarm_all, known_points
 from .faulty_fs import FaultPlan, faulty_filesystem
+from .forgery import forge_manifest, forge_random_number
 from .trace import Trace, golden
 
 __all__ = ["ChaosReport", "draw_schedule", "run_chaos"]
@@ -162,11 +165,26 @@ def _tamper_path(store: Store, rng: random.Random) -> str | None:
     return f"{path}: {name} -> {hostile}"
 
 
+def _forge(keep_macs: bool) -> Callable[[Store, random.Random], str | None]:
+    def forge(store: Store, rng: random.Random) -> str | None:
+        """Double one number of the newest manifest's records and re-stamp its
+        checksums, as a writer without the key would: only its MACs can catch it."""
+        versions = store.versions()
+        if len(versions) < 2:
+            return None
+        what = forge_manifest(store, versions[-1], forge_random_number(rng), keep_macs=keep_macs)
+        return f"{manifest_path(versions[-1])}: {what}"
+
+    return forge
+
+
 #: At-rest damage a trial may inject after a crash, and how each is applied.
 _AT_REST = {
     "bit flip at rest (chunk)": _corrupt_newest,
     "bit flip at rest (manifest)": _flip_record_bit,
     "array path out of the store (re-stamped)": _tamper_path,
+    "record forged, MACs kept (re-stamped)": _forge(keep_macs=True),
+    "record forged, MACs stripped (re-stamped)": _forge(keep_macs=False),
 }
 
 
@@ -183,8 +201,10 @@ def run_chaos(
     Each trial draws 1-3 crash points (any known point, at a random step), storage
     fault rates (transient errors, lost responses, slow writes) and, with probability
     1/2 after a crash, damage at rest to the newest version: a bit flip in one of its
-    chunks, a bit flip anywhere in its manifest, or an array path pointed outside the
-    store with every checksum re-stamped. Each must be detected on open. It runs the job to
+    chunks, a bit flip anywhere in its manifest, an array path pointed outside the
+    store with every checksum re-stamped, or a number of a record forged with every
+    checksum re-stamped (its MACs kept or stripped). Each must be detected on open with
+    the job's key. It runs the job to
     completion, resuming after each crash, and compares the trace with the golden one.
     """
     import tempfile
@@ -197,6 +217,8 @@ def run_chaos(
             with open(key_file, "wb") as f:
                 f.write(key)
         reference = golden(config, f"{tmp}/gold.zarr", key_file=key_file)
+        with open(key_file, "rb") as f:
+            mac_key = manifest_mac_key(f.read())
         for trial in range(trials):
             report.trials += 1
             plan = FaultPlan(
@@ -233,6 +255,8 @@ def run_chaos(
                     disarm_all()
                 fs.armed = False
                 store = Store.open(url, fs=fs)
+                # read as a resume reads it: authenticated by the job's key
+                store.authenticate_with(mac_key)
                 latest = store.latest(allow_fallback=True)
                 step_now = latest.step if latest else 0
                 if step_now < newest_seen:
@@ -243,7 +267,8 @@ def run_chaos(
                 # and one of them must stay intact to recover from
                 if not done and not allow_fallback and rng.random() < 0.5:
                     # in turn, so a short run meets every kind
-                    kind = sorted(_AT_REST)[sum(report.faults[k] for k in _AT_REST) % 3]
+                    done_kinds = sum(report.faults[k] for k in _AT_REST)
+                    kind = sorted(_AT_REST)[done_kinds % len(_AT_REST)]
                     where = _AT_REST[kind](store, rng)
                     if where is not None:
                         report.faults[kind] += 1

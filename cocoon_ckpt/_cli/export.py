@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import TYPE_CHECKING
 
 from cocoon_ckpt._cli.args import add_json, add_storage_options, storage_options
@@ -32,6 +33,18 @@ def add_parser(sub: Subparsers) -> None:
         required=True,
         help="new output file for the state_dict, outside the store, in an existing folder",
     )
+    p.add_argument(
+        "--key-file",
+        default=None,
+        help="the job's key file (when the key is not kept in the store): the version is "
+        "then authenticated by its MACs; a final_model job is exported only so",
+    )
+    p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="export a version without MACs (written before store format 4) although the "
+        "key is at hand",
+    )
     add_storage_options(p)
     add_json(p, "privacy report")
 
@@ -41,7 +54,13 @@ def run(args: argparse.Namespace) -> int:
     --out raises ExportPathError (exit 2, see exits)."""
     from cocoon_ckpt.tools.export import export_model
 
-    report = export_model(args.url, args.out, storage_options=storage_options(args))
+    report = export_model(
+        args.url,
+        args.out,
+        storage_options=storage_options(args),
+        key_file=args.key_file,
+        allow_unauthenticated=args.allow_unauthenticated,
+    )
     if args.json:
         print(json.dumps(report))
     else:
@@ -49,4 +68,10 @@ def run(args: argparse.Namespace) -> int:
             f"exported {args.out} (epsilon={report['epsilon']:.4f}, delta={report['delta']:g}, "
             f"threat model {report['threat_model']}); report in {args.out}.privacy.json"
         )
+        if not report["source"]["authenticated"]:
+            print(
+                "warning: not authenticated by the job's key (pass --key-file): only "
+                "unkeyed checksums vouch for the exported version",
+                file=sys.stderr,
+            )
     return 0

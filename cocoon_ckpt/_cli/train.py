@@ -189,6 +189,12 @@ def add_parser(sub: Subparsers) -> None:
         "gradients' last bits, so bit-exact resume, are not)",
     )
     p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="resume from a version without a MAC under the job's key (one written before "
+        "store format 4); its next version is authenticated",
+    )
+    p.add_argument(
         "--overlap-noise",
         action="store_true",
         help="compute each step's noise in a thread while the per-sample gradients are "
@@ -305,6 +311,7 @@ def run(args: argparse.Namespace) -> int:
                 fallback=args.allow_fallback,
                 device_change=args.allow_device_change,
                 generator_change=args.allow_generator_change,
+                unauthenticated=args.allow_unauthenticated,
             ),
             on_step=None if progress is None else progress.on_step,
             on_precompute=None if progress is None else progress.on_precompute,

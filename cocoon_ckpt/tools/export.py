@@ -22,7 +22,8 @@ from cocoon_ckpt._state_dict import plain_keys
 from cocoon_ckpt.dp.accountant import AccountingMethod
 from cocoon_ckpt.dp.accounting import epsilon_of_run
 from cocoon_ckpt.errors import CocoonError, ConfigError
-from cocoon_ckpt.layout import THREAT_MODEL_DEFAULT
+from cocoon_ckpt.keys import load_key, manifest_mac_key, read_key_file
+from cocoon_ckpt.layout import KEY_SECRET, THREAT_MODEL_DEFAULT
 from cocoon_ckpt.tools.guarantee import describe
 from cocoon_ckpt.train import config as cfgmod
 from cocoon_ckpt.train.config import JobConfig
@@ -52,6 +53,15 @@ def _damaged(version: Version, what: str) -> CorruptVersionError:
 
 def _inside(path: str, root: str) -> bool:
     return os.path.commonpath([path, root]) == root
+
+
+def _key(store: Store, key_file: str | None) -> bytes | None:
+    """The job's key where it can be had: the key file given, else the store's own."""
+    if key_file is not None:
+        return read_key_file(key_file)
+    if store.get_secret(KEY_SECRET) is None:
+        return None
+    return load_key(store, None)
 
 
 def _check_out(store: Store, out: str) -> tuple[str, str]:
@@ -143,6 +153,8 @@ def export_model(
     *,
     storage_options: dict[str, Any] | None = None,
     allow_incomplete: bool = False,
+    key_file: str | None = None,
+    allow_unauthenticated: bool = False,
 ) -> dict[str, Any]:
     """Write the final model's state_dict (no noise state) to `out` and its privacy
     report to `out + ".privacy.json"`, both or neither. Its keys are those of the plain
@@ -154,6 +166,13 @@ def export_model(
         storage_options: fsspec options for the store URL.
         allow_incomplete: export an unfinished job (never under threat model
             final_model, whose cold rows lack their pending noise until the end).
+        key_file: the job's key file, when the key is not kept in the store: with the
+            key (from either place) the version exported is authenticated by its MACs,
+            so its step count and records are the job's own; without it only the
+            unkeyed checksums vouch for them, the report says so, and a final_model
+            job is refused (its completeness is what makes it releasable).
+        allow_unauthenticated: export a version without MACs (written before store
+            format 4) although the key is at hand.
 
     Returns:
         The privacy report (see `cocoon_ckpt.tools.guarantee.describe`), with `source`.
@@ -167,6 +186,9 @@ def export_model(
     """
     store = Store.open(store_url, storage_options=storage_options, create=False)
     out, report_path = _check_out(store, out)
+    key = _key(store, key_file)
+    if key is not None:
+        store.authenticate_with(manifest_mac_key(key), require=not allow_unauthenticated)
     latest = store.latest()
     if latest is None:
         raise StoreError(f"{store_url} has no committed version to export; run the job first")
@@ -186,6 +208,13 @@ def export_model(
         raise _damaged(latest, f"recorded fingerprint {rec.get('fingerprint')} is not {fp}")
     finished = done == planned
     tm = rec.get("threat_model", THREAT_MODEL_DEFAULT)
+    authenticated = key is not None and latest.manifest.sealed
+    if tm == "final_model" and not authenticated:
+        raise StoreError(
+            f"{store_url}: threat model final_model, and version {latest.version} is not "
+            "authenticated by the job's key (pass --key-file / key_file=), so its step count "
+            "cannot be trusted to say the job finished: export refuses to release it"
+        )
     if tm == "final_model" and not finished:
         raise StoreError(
             f"{store_url}: threat model final_model and the job is at step {done} of "
@@ -225,7 +254,33 @@ def export_model(
             f"stored epsilon {stored!r} differs from {eps!r} recomputed from the config for "
             f"{done} steps",
         )
+    target = dp.target_epsilon
+    if target is not None:
+        planned_eps = (
+            eps
+            if finished
+            else epsilon_of_run(rec["config"]["dp"], rec.get("mechanism"), planned, method.value)
+        )
+        if not planned_eps <= target * (1 + 1e-9):
+            raise _damaged(
+                latest,
+                f"the recorded noise_multiplier={dp.noise_multiplier!r} gives epsilon "
+                f"{planned_eps:.6g} after {planned} steps, above the recorded "
+                f"target_epsilon={target!r}: the config was altered after calibration",
+            )
     report = describe(rec, steps_done=done, epsilon=eps, accounting_method=method.value)
-    report["source"] = {"store": store_url, "version": latest.version, "fingerprint": fp}
+    report["source"] = {
+        "store": store_url,
+        "version": latest.version,
+        "fingerprint": fp,
+        "authenticated": authenticated,
+        "authenticated_means": (
+            "the version's MACs verified under the job's key: its records are the job's own"
+            if authenticated
+            else "not verified with the job's key (none given, or a version written before "
+            "store format 4): only unkeyed checksums vouch for the records, which anyone who "
+            "can write the store can recompute"
+        ),
+    }
     _write_pair(model, report, out)
     return report

@@ -21,11 +21,17 @@ class ResumeAllowances:
             store's (the noise after the resume is another draw: I3, the bit-exact resume, is lost).
         device_change: Resume on another device type than the store's (the same noise; the
             gradients' last bits, so I3, are not).
+        unauthenticated: Resume from a version that carries no MAC under the job's key:
+            one written by cocoon-ckpt before store format 4 (its next version is
+            authenticated). Its records are then trusted on their unkeyed checksums,
+            which anyone who can write the store can recompute: allow it only for a
+            store you know no one else wrote.
     """
 
     fallback: bool = False
     generator_change: bool = False
     device_change: bool = False
+    unauthenticated: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -36,7 +42,12 @@ class ResumeAllowances:
                 )
 
     def widened(
-        self, *, fallback: bool = False, generator_change: bool = False, device_change: bool = False
+        self,
+        *,
+        fallback: bool = False,
+        generator_change: bool = False,
+        device_change: bool = False,
+        unauthenticated: bool = False,
     ) -> ResumeAllowances:
         """These allowances and the flags of `open_job`/`run_job`'s keyword form
         (`allow_fallback=True`, ...): what either allows is allowed."""
@@ -44,4 +55,5 @@ class ResumeAllowances:
             fallback=self.fallback or fallback,
             generator_change=self.generator_change or generator_change,
             device_change=self.device_change or device_change,
+            unauthenticated=self.unauthenticated or unauthenticated,
         )

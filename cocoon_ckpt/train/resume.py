@@ -94,6 +94,17 @@ def prepare_trainer(
                         f"{config.dp.steps}"
                     ),
                 )
+            # Derived, not trusted (I7): the accountant has counted every step the
+            # version took, no more and no fewer, or the epsilon it reports is not the run's.
+            if trainer.accountant.steps != step:
+                raise malformed_version(
+                    store,
+                    latest,
+                    ValueError(
+                        f"accountant.steps={trainer.accountant.steps!r}, the version is at "
+                        f"step {step}"
+                    ),
+                )
     except BaseException:
         trainer.close()
         raise

@@ -15,7 +15,15 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from cocoon_ckpt.keys import check_key_file_place, key_id, load_key, new_key, save_key
+from cocoon_ckpt.errors import NoiseKeyError
+from cocoon_ckpt.keys import (
+    check_key_file_place,
+    key_id,
+    load_key,
+    manifest_mac_key,
+    new_key,
+    save_key,
+)
 from cocoon_ckpt.train.allowances import ResumeAllowances
 from cocoon_ckpt.train.build import check_parts, job_parts
 from cocoon_ckpt.train.config import JobConfig
@@ -29,7 +37,16 @@ from cocoon_ckpt.train.rank_agreement import (
 )
 from cocoon_ckpt.train.resume import check_records, prepare_trainer
 from cocoon_ckpt.train.trainer import DPTrainer
-from state import Store, StoreError, StoreNotFoundError, Version
+from state import (
+    CorruptVersionError,
+    Manifest,
+    Store,
+    StoreError,
+    StoreNotFoundError,
+    UnauthenticatedVersionError,
+    Version,
+)
+from state.paths import manifest_path
 
 __all__ = ["parts_on_ranks", "start_job", "start_ranks", "trainer_on_ranks"]
 
@@ -76,9 +93,12 @@ def start_job(
     try:
         for _ in range(2):
             seen = store.versions() if store is not None else []
-            latest = store.latest(allow_fallback=allow.fallback) if store and seen else None
+            # the key first: every version is read authenticated by it
+            key = _job_key(store, key_file, resuming=bool(seen))
+            if store is not None:  # versions read, and the commits sealed, by the key
+                authenticate(store, key, allow)
+            latest = _newest(store, key, allow) if store and seen else None
             resume = (store, latest) if store is not None and latest is not None else None
-            key = _job_key(store, key_file, resuming=resume is not None)
             trainer = None
             if dist is None:
                 trainer = prepare_trainer(config, key, builder, None, resume, allow)
@@ -87,6 +107,7 @@ def start_job(
             try:
                 if store is None:
                     store = Store.open(store_url, storage_options=storage_options, fs=fs)
+                    authenticate(store, key, allow)
                 if store.lease is None:
                     store.acquire_lease(takeover=takeover, expiry_s=config.lease_expiry_s)
                 if store.versions()[-1:] == seen[-1:]:
@@ -108,6 +129,49 @@ def start_job(
         if store is not None:
             store.release_lease()
         raise
+
+
+def authenticate(store: Store, key: bytes, allow: ResumeAllowances) -> None:
+    """Read `store` authenticated by the job's key, and seal what it commits."""
+    store.authenticate_with(manifest_mac_key(key), require=not allow.unauthenticated)
+
+
+def _newest(store: Store, key: bytes, allow: ResumeAllowances) -> Version | None:
+    """The version a resume continues, its manifest authenticated (`authenticate`)."""
+    try:
+        return store.latest(allow_fallback=allow.fallback)
+    except UnauthenticatedVersionError as exc:
+        exc.args = (
+            f"{exc}; if cocoon-ckpt before store format 4 wrote it and no one else can "
+            "write the store, resume once with --allow-unauthenticated "
+            "(ResumeAllowances(unauthenticated=True)): the versions after it are "
+            "authenticated",
+        )
+        raise
+    except CorruptVersionError:  # a MAC failed (or every version did, with fallback)
+        _check_key_id(store, key)
+        raise
+
+
+def _check_key_id(store: Store, key: bytes) -> None:
+    """A MAC that fails because the key given is another job's says so: the newest
+    manifest's `key_id`, read without authentication (only to word the refusal).
+
+    Raises:
+        NoiseKeyError: the newest version was written under another key.
+    """
+    newest = store.versions()[-1]
+    try:
+        data = store.backend.read_bytes(manifest_path(newest))
+        stored = Manifest.from_bytes(data, version=newest, where=store.url).records.get("key_id")
+    except (OSError, StoreError):
+        return
+    if stored != key_id(key):
+        raise NoiseKeyError(
+            f"{store.url}: the noise key given does not match the key of version {newest} "
+            f"(key id {key_id(key)}, the version's {stored}); resuming would add unrelated "
+            "noise. Use the job's own key (--key-file / key_file=)"
+        ) from None
 
 
 def _job_key(store: Store | None, key_file: str | None, *, resuming: bool) -> bytes:
@@ -180,6 +244,7 @@ def start_ranks(
             # the network: ranks compare ids), so this check comes right after; refused,
             # the lease is released and no version was committed.
             check_coordinator_key(coordinator_key, key, dist.rank, dist.world)
+            authenticate(store, key, kw["allow"])
             latest = store.read(version) if version is not None else None
             mine.append((store, latest, key, None))
         except BaseException as exc:

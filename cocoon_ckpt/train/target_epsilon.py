@@ -22,7 +22,7 @@ from cocoon_ckpt.dp.accountant import epsilon, noise_multiplier_for
 from cocoon_ckpt.dp.blt_accounting import accounting_sensitivity, blt_epsilon
 from cocoon_ckpt.dp.calibration import blt_noise_multiplier
 from cocoon_ckpt.dp.mechanism import MechanismKind
-from cocoon_ckpt.errors import ConfigError
+from cocoon_ckpt.errors import ConfigError, ConfigMismatchError
 from cocoon_ckpt.train.config import DPConfig, JobConfig
 from cocoon_ckpt.train.fingerprint import check_resume
 from cocoon_ckpt.train.resume import malformed_version
@@ -144,9 +144,22 @@ def resolve(config: JobConfig, stored: dict[str, Any] | None, where: str) -> Job
     stored_dp = stored["dp"]
     sigma = stored_dp.get("noise_multiplier")
     if _inputs(stored_dp) == _inputs(dp.to_record()) and isinstance(sigma, (int, float)):
-        return dataclasses.replace(
+        resumed = dataclasses.replace(
             config, dp=dataclasses.replace(dp, noise_multiplier=float(sigma), calibrated=True)
         )
+        # Derived, not trusted: the stored sigma must still meet the target it was
+        # calibrated for (a record edited in the store, I7).
+        try:
+            check_target(resumed.dp)
+        except ConfigError as exc:
+            spent = str(exc).split(";")[0].split(" gives ", 1)[-1]
+            raise ConfigMismatchError(
+                f"{where}: the stored noise_multiplier={sigma!r} does not meet the job's "
+                f"target_epsilon={dp.target_epsilon} (it gives {spent}); the store's config "
+                "was altered, so the job is not resumed: audit the store",
+                [f"dp.noise_multiplier: stored {sigma!r} misses target {dp.target_epsilon}"],
+            ) from None
+        return resumed
     # Refused: the listing names what was asked differently; sigma would only follow.
     asked = config.to_record()
     asked["dp"]["noise_multiplier"] = sigma

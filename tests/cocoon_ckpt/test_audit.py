@@ -22,9 +22,9 @@ from cocoon_ckpt._cli.main import main
 from cocoon_ckpt.tools.audit import audit_store
 from cocoon_ckpt.tools.catalog import collect_garbage, diff_versions, inspect_store
 from cocoon_ckpt.train.config import fingerprint
-from state import LeaseHeldError, Store, array_checksum, restamp
+from state import LeaseHeldError, Store, array_checksum
 
-from .conftest import job_config
+from .conftest import job_config, reseal
 
 
 def _tree(root: Path) -> dict[str, str]:
@@ -56,8 +56,10 @@ def _manifests(root: Path) -> list[Path]:
 
 
 def _write_manifest(p: Path, doc: dict[str, Any]) -> None:
-    """Write an edited manifest as an attacker who recomputes its checksums would."""
-    p.write_bytes(restamp(doc))
+    """Write an edited manifest as a writer who holds the store's key would (checksums
+    and MACs recomputed): what the checks behind the MACs must catch. A writer without
+    the key is refused by the MACs first (test_forged_records)."""
+    p.write_bytes(reseal(doc, p.parent.parent))
 
 
 def _edit_manifests(root: Path, edit: Any, only: int | None = None) -> None:
@@ -179,6 +181,7 @@ def test_key_kept_outside_needs_key_file(tmp_path: Path) -> None:
     assert report.ok and "not in the store" in report.info["key"]
     wrong = tmp_path / "wrong"
     wrong.write_bytes(bytes(32))
+    wrong.chmod(0o600)
     bad = audit_store(url, key_file=str(wrong), coordinates=16)
     assert _findings(bad, "key") and _findings(bad, "noise")
 

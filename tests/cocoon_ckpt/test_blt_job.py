@@ -26,7 +26,9 @@ from cocoon_ckpt.tools.audit import audit_store
 from cocoon_ckpt.train.target_epsilon import calibrate
 from cocoon_ckpt.train.trainer import DPTrainer
 from fault_injection import CrashPointHit, crash_at, disarm_all
-from state import Store, restamp
+from state import Store
+
+from .conftest import reseal
 
 STEPS, BANDS = 12, 2
 KEY = bytes(range(32))
@@ -164,7 +166,7 @@ def test_a_changed_stored_blt_is_refused(gold: tuple[Path, str], tmp_path: Path)
         doc = json.loads(p.read_text())
         mech = doc["records"]["mechanism"]
         mech["buf_decay"] = [x * 0.99 for x in mech["buf_decay"]]
-        p.write_bytes(restamp(doc))
+        p.write_bytes(reseal(doc, key))  # behind the MACs: the derived sensitivity
     with pytest.raises(ConfigMismatchError, match="sensitivity"):
         run_job(_config(), str(url), key_file=key)
 
@@ -271,6 +273,6 @@ def test_a_forged_buffer_label_is_out_of_bounds(gold: tuple[Path, str], tmp_path
     doc = json.loads(newest.read_text())
     slot = doc["records"]["noise"]["shards"][0]["slots"][0]
     slot[1] -= 1  # the buffers of a version are those after its last step, never older
-    newest.write_bytes(restamp(doc))
+    newest.write_bytes(reseal(doc, key))
     report = audit_store(str(url), key_file=key, seed=3)
     assert any("BLT buffer" in f.message and "labelled step" in f.message for f in report.findings)

@@ -30,9 +30,9 @@ from cocoon_ckpt.train.metrics import (
     read_metrics,
 )
 from fault_injection import CrashPointHit, crash_at, disarm_all
-from state import Store, restamp
+from state import Store
 
-from .conftest import job_config
+from .conftest import job_config, reseal
 
 CFG = job_config("mlp", bands=4, steps=24, keep_last=3)
 
@@ -225,7 +225,7 @@ def test_a_tampered_metrics_record_is_found_by_the_audit(
 
     # the same change by a writer who recomputes the checksums: the parent disagrees
     loss["values"] = pack_values(values)
-    p.write_bytes(restamp(doc))
+    p.write_bytes(reseal(doc, key))
     report = audit_store(str(store), coordinates=8, seed=0, key_file=key)
     found = [f.message for f in report.findings if f.check == "metrics"]
     assert found and "metric loss of the steps before" in found[0]
@@ -233,7 +233,7 @@ def test_a_tampered_metrics_record_is_found_by_the_audit(
     # a point labelled at the version's own step
     loss["steps"] = [[0, 25]]
     loss["values"] = pack_values([*values, 1.0])
-    p.write_bytes(restamp(doc))
+    p.write_bytes(reseal(doc, key))
     report = audit_store(str(store), coordinates=8, seed=0, key_file=key)
     found = [f.message for f in report.findings if f.check == "metrics"]
     assert found and "run [0, 25]" in found[0]

@@ -17,9 +17,9 @@ from cocoon_ckpt.dp.accounting import epsilon_of_run
 from cocoon_ckpt.tools.audit import audit_store
 from cocoon_ckpt.tools.catalog import inspect_store
 from cocoon_ckpt.tools.export import export_model
-from state import Store, restamp
+from state import Store
 
-from .conftest import job_config
+from .conftest import job_config, reseal
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_a_last_version_without_its_epsilon_is_an_audit_finding(
     p = sorted((done / "manifests").glob("*.json"))[-1]
     doc = json.loads(p.read_text())
     doc["records"]["accountant"]["epsilon"] = None
-    p.write_bytes(restamp(doc))  # a writer who recomputes the checksums
+    p.write_bytes(reseal(doc, key))  # a writer who recomputes checksums and MACs
     report = audit_store(str(done), coordinates=8, seed=0, key_file=key)
     found = [f.message for f in report.findings if f.check == "accountant"]
     assert found and "last step 16 stores no epsilon" in found[0]

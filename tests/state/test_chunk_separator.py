@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cocoon_ckpt import run_job
+from cocoon_ckpt import ResumeAllowances, run_job
 from cocoon_ckpt.tools.audit import audit_store
 from state import CorruptVersionError, Store, restamp
 from state.manifest import FORMAT_VERSION, ArrayMeta, Manifest
@@ -68,7 +68,7 @@ def test_new_arrays_keep_their_chunks_beside_zarr_json(stores: tuple[Path, Path,
     whole = stores[0]
     store = Store.open(str(whole))
     man = store.manifest(store.versions()[-1])
-    assert man.format_version == FORMAT_VERSION == 3
+    assert man.format_version == FORMAT_VERSION == 4
     own = [m for m in man.arrays.values() if m.path.startswith("versions/")]
     assert own and all(m.separator == "." for m in own)
     for meta in own:
@@ -96,17 +96,24 @@ def test_a_format_2_store_reads_audits_and_resumes_to_the_same_bits(
         assert all(m.separator == "/" for m in man.arrays.values())
     assert _last_arrays(old) == before  # read through `c/i/j` now
     report = audit_store(str(old), coordinates=8, seed=0, key_file=key)
-    assert report.ok, report.text()
-    run_job(_job(), str(old), key_file=key)  # type: ignore[arg-type]
+    # format 2 carried no MACs: the audit says so of each version, and of nothing else
+    unauthenticated = {f.version for f in report.findings if f.check == "authentication"}
+    assert unauthenticated == set(store.versions()), report.text()
+    assert len(report.findings) == len(unauthenticated), report.text()
+    run_job(  # type: ignore[arg-type]
+        _job(), str(old), key_file=key, allow=ResumeAllowances(unauthenticated=True)
+    )
     assert _last_arrays(old) == _last_arrays(whole)
     resumed = Store.open(str(old))
     newest = resumed.manifest(resumed.versions()[-1])
-    assert newest.format_version == 3
+    assert newest.format_version == 4 and newest.sealed
     # step 16 borrows the ring slots of steps 12-14 from the format-2 version of step 15
     ring = {m.separator for n, m in newest.arrays.items() if n.startswith("ring/")}
     assert ring == {"/", "."}
     report = audit_store(str(old), coordinates=8, seed=0, key_file=key)
-    assert report.ok, report.text()
+    older = {f.version for f in report.findings if f.check == "authentication"}
+    assert older == set(resumed.versions()) - {newest.version}, report.text()
+    assert len(report.findings) == len(older), report.text()
 
 
 def test_a_format_2_chunk_that_is_damaged_is_still_found(

@@ -97,7 +97,30 @@ def check_records(
         )
     report.checks["accountant"] = {"epsilons_recomputed": recomputed_eps}
     report.checks["fingerprint"] = {"distinct": len(fingerprints)}
+    _check_target(manifests[max(manifests)], report)
     check_metrics(manifests, report)
+
+
+def _check_target(newest: Manifest, report: AuditReport) -> None:
+    """A job given a target epsilon: the recorded sigma must meet it over the job's
+    steps (derived from the config, not taken from the target's presence)."""
+    try:
+        dp = newest.records["config"]["dp"]
+        target = dp.get("target_epsilon")
+        if target is None:
+            return
+        method = str(newest.records.get("accountant", {}).get("method", "pld"))
+        eps = config_epsilon(dp, int(dp["steps"]), method, newest.records.get("mechanism"))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return  # the config or accountant findings name what is malformed
+    if not eps <= float(target) * (1 + 1e-9):
+        report.add(
+            "target",
+            f"the recorded noise_multiplier={dp.get('noise_multiplier')!r} gives epsilon "
+            f"{eps:.6g} after {dp['steps']} steps, above the recorded target_epsilon="
+            f"{target!r}: the config was altered after calibration",
+            newest.version,
+        )
 
 
 def check_metrics(manifests: dict[int, Manifest], report: AuditReport) -> None:

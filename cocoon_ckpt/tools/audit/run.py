@@ -8,8 +8,7 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from cocoon_ckpt.errors import NoiseKeyError
-from cocoon_ckpt.layout import KEY_SECRET
+from cocoon_ckpt.keys import load_key, manifest_mac_key
 from cocoon_ckpt.tools.audit.arrays import check_checksums, check_store_bounds
 from cocoon_ckpt.tools.audit.chain import check_chain
 from cocoon_ckpt.tools.audit.embedding import check_embedding
@@ -19,30 +18,38 @@ from cocoon_ckpt.tools.audit.privacy import privacy_info
 from cocoon_ckpt.tools.audit.records import check_records
 from cocoon_ckpt.tools.audit.report import AuditReport
 from cocoon_ckpt.train.parts import JobParts, resolve
-from state import Manifest, Store, StoreError
+from state import (
+    ForgedVersionError,
+    Manifest,
+    Store,
+    StoreError,
+    UnauthenticatedVersionError,
+)
 
 __all__ = ["audit_store"]
 
 
-def _load_audit_key(store: Store, key_file: str | None, location: str | None) -> bytes:
-    if key_file is not None:
+def _check_macs(
+    store: Store, manifests: dict[int, Manifest], key: bytes, report: AuditReport
+) -> None:
+    """Every version's MACs under the job's key: a forged record is named; a version
+    without MACs (written before store format 4, or stripped: the audit cannot tell
+    which) is a finding too, since only the unkeyed checksums vouch for it."""
+    mac_key = manifest_mac_key(key)
+    sealed = []
+    for v, m in sorted(manifests.items()):
         try:
-            with open(key_file, "rb") as f:
-                key = f.read()
-        except OSError as exc:
-            raise NoiseKeyError(
-                f"cannot read key file {key_file} ({exc.strerror}); pass the job's key file"
-            ) from None
-        if len(key) != 32:
-            raise NoiseKeyError(f"key file {key_file} holds {len(key)} bytes, not a 32-byte key")
-        return key
-    stored = store.get_secret(KEY_SECRET)
-    if stored is None:
-        raise NoiseKeyError(
-            f"{store.url} has no noise key (secret/{KEY_SECRET}; the job recorded key "
-            f"location {location!r}): pass --key-file / key_file= to regenerate the noise"
-        )
-    return stored
+            m.authenticate(mac_key, where=store.url)
+            sealed.append(v)
+        except UnauthenticatedVersionError as exc:
+            report.add(
+                "authentication",
+                f"{exc}; anyone who can write the store could have written it",
+                v,
+            )
+        except ForgedVersionError as exc:
+            report.add("authentication", str(exc), v)
+    report.info["authenticated_versions"] = sealed
 
 
 def _job_parts(job: str | Callable[..., JobParts], config_record: dict[str, Any]) -> JobParts:
@@ -119,7 +126,8 @@ def audit_store(
         raise StoreError(f"{url} has no readable version to audit; run a job against it first")
     newest = manifests[max(manifests)]
     rec = newest.records
-    key = _load_audit_key(store, key_file, rec.get("key_location"))
+    key = load_key(store, key_file)
+    _check_macs(store, manifests, key, report)
     bounds = check_store_bounds(store, manifests, report)
     check_checksums(store, manifests, bounds, report)
     _guard(report, "accountant", lambda: check_records(manifests, bounds, report))

@@ -1,0 +1,173 @@
+"""Records forged by a writer of the store who lacks the job's key (#29's attacks, each
+as described, the unkeyed checksums re-stamped): a resume, the audit and export refuse
+them by name with the key at hand, nothing is written by a refused resume, and a store
+written before format 4 resumes once allowed and bit-identically."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fault_injection.forgery import forge_manifest
+from state import Store
+from state.paths import manifest_path
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = ["train", "--steps", "12", "--checkpoint-every", "4", "--target-epsilon", "4", "--quiet"]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cocoon_ckpt", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def _tree(root: Path) -> dict[str, str]:
+    """Every path under `root` and, for files, a hash of its bytes."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        out[rel] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+    return out
+
+
+def _model_checksums(store: Path, version: int) -> dict[str, str]:
+    doc = json.loads((store / manifest_path(version)).read_bytes())
+    return {k: v["checksum"] for k, v in doc["arrays"].items() if k.startswith("model/")}
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A target-epsilon job run to its end: versions at steps 4, 8 and 12."""
+    folder = tmp_path_factory.mktemp("forged")
+    key = folder / "noise.key"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o600)
+    done = _cli(*TRAIN, "--store", str(folder / "s.zarr"), "--key-file", str(key))
+    assert done.returncode == 0, done.stderr
+    return folder / "s.zarr", key
+
+
+@pytest.fixture
+def crashed(finished: tuple[Path, Path], tmp_path: Path) -> tuple[Path, Path]:
+    """The same job as if it had died after version 2 (step 8)."""
+    store = tmp_path / "s.zarr"
+    shutil.copytree(finished[0], store)
+    (store / manifest_path(3)).unlink()
+    return store, finished[1]
+
+
+def _forge(store: Path, version: int, keep_macs: bool, edit: Any) -> None:
+    forge_manifest(Store.open(str(store), create=False), version, edit, keep_macs=keep_macs)
+
+
+def _halve_sigma(doc: dict[str, Any]) -> str:
+    doc["records"]["config"]["dp"]["noise_multiplier"] /= 2
+    return "sigma halved"
+
+
+@pytest.mark.parametrize("keep_macs", [True, False], ids=["macs-kept", "macs-stripped"])
+def test_a_halved_sigma_is_refused_on_resume(crashed: tuple[Path, Path], keep_macs: bool) -> None:
+    store, key = crashed
+    _forge(store, 2, keep_macs, _halve_sigma)
+    before = _tree(store)
+    run = _cli(*TRAIN, "--store", str(store), "--key-file", str(key))
+    assert run.returncode == 1, run.stderr
+    line = run.stderr.strip().splitlines()[-1]
+    assert "(version 2): the stored noise_multiplier=" in line
+    assert "does not meet the job's target_epsilon=4.0 (it gives epsilon=" in line
+    assert _tree(store) == before
+
+
+def _double_accountant_steps(doc: dict[str, Any]) -> str:
+    doc["records"]["accountant"]["steps"] *= 2
+    return "accountant steps doubled"
+
+
+@pytest.mark.parametrize("keep_macs", [True, False], ids=["macs-kept", "macs-stripped"])
+def test_edited_accountant_steps_are_refused_on_resume(
+    crashed: tuple[Path, Path], keep_macs: bool
+) -> None:
+    store, key = crashed
+    _forge(store, 2, keep_macs, _double_accountant_steps)
+    before = _tree(store)
+    run = _cli(*TRAIN, "--store", str(store), "--key-file", str(key))
+    assert run.returncode == 1, run.stderr
+    line = run.stderr.strip().splitlines()[-1]
+    if keep_macs:
+        assert "version 2 of" in line and "record 'accountant'" in line
+        assert "fails its MAC under the job's key" in line
+    else:
+        assert "carries no MAC" in line and "--allow-unauthenticated" in line
+    assert _tree(store) == before
+    if not keep_macs:  # allowed unauthenticated: the steps are derived, not trusted
+        run = _cli(*TRAIN, "--store", str(store), "--key-file", str(key), "--allow-unauthenticated")
+        assert run.returncode == 1, run.stderr
+        assert "accountant.steps=16, the version is at step 8" in run.stderr
+        assert _tree(store) == before
+
+
+def test_a_store_written_before_format_4_resumes_once_allowed_bit_identically(
+    finished: tuple[Path, Path], crashed: tuple[Path, Path]
+) -> None:
+    store, key = crashed
+    for v in (1, 2):  # as cocoon-ckpt wrote them before format 4: no MACs
+        _forge(store, v, False, lambda doc: "unchanged")
+    refused = _cli(*TRAIN, "--store", str(store), "--key-file", str(key))
+    assert refused.returncode == 1 and "carries no MAC" in refused.stderr
+    run = _cli(*TRAIN, "--store", str(store), "--key-file", str(key), "--allow-unauthenticated")
+    assert run.returncode == 0, run.stderr
+    resumed = Store.open(str(store), create=False)
+    newest = resumed.latest()
+    assert newest is not None and (newest.version, newest.step) == (3, 12)
+    assert newest.manifest.sealed
+    assert _model_checksums(store, 3) == _model_checksums(finished[0], 3)
+
+
+def test_audit_names_a_sigma_forged_in_every_version(
+    finished: tuple[Path, Path], tmp_path: Path
+) -> None:
+    store = tmp_path / "s.zarr"
+    shutil.copytree(finished[0], store)
+    for v in (1, 2, 3):
+        _forge(store, v, True, _halve_sigma)
+    run = _cli("audit", str(store), "--key-file", str(finished[1]))
+    assert run.returncode == 1, run.stdout + run.stderr
+    for v in (1, 2, 3):
+        assert f"FINDING [authentication] (version {v}): version {v} of" in run.stdout
+    assert "record 'config'" in run.stdout
+
+
+def test_export_refuses_a_forged_step_with_the_key_and_says_so_without_it(
+    crashed: tuple[Path, Path], tmp_path: Path
+) -> None:
+    store, key = crashed
+
+    def finish(doc: dict[str, Any]) -> str:
+        doc["step"] = 12
+        return "step 8 -> 12"
+
+    _forge(store, 2, True, finish)
+    out = tmp_path / "model.pt"
+    refused = _cli("export", str(store), "--out", str(out), "--key-file", str(key))
+    assert refused.returncode == 1, refused.stderr
+    assert "the header of manifest manifests/00000002.json" in refused.stderr
+    assert not out.exists()
+    # without the key only the unkeyed checksums vouch, and the report says so
+    blind = _cli("export", str(store), "--out", str(out))
+    assert blind.returncode == 0, blind.stderr
+    assert "not authenticated by the job's key" in blind.stderr
+    report = json.loads(Path(f"{out}.privacy.json").read_text())
+    assert report["source"]["authenticated"] is False
