@@ -79,6 +79,7 @@ def build_trainer(
         num_workers=parts.num_workers,
         pin_memory=parts.pin_memory,
         collate_fn=parts.collate_fn,
+        worker_timeout_s=parts.worker_timeout_s,
     )
 
 

@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, default_collate
 
 from cocoon_ckpt.dp.sampler import CyclicPoissonSampler
+from cocoon_ckpt.train.workers import DEFAULT_WORKER_TIMEOUT_S, WorkerInit, WorkerLoader
 
 __all__ = [
     "Batch",
@@ -302,6 +303,8 @@ def make_loader(
     pin_memory: bool = False,
     collate_fn: Collate | None = None,
     select: Select | None = None,
+    worker_init_fn: Callable[[int], None] | None = None,
+    timeout_s: float = DEFAULT_WORKER_TIMEOUT_S,
 ) -> DataLoader[Any]:
     """A DataLoader yielding one `Batch` per step `start, ..., steps - 1`.
 
@@ -317,6 +320,11 @@ def make_loader(
             `default_collate` when None. It is also called on [item 0] to give an empty
             batch its trailing shapes.
         select: keeps this process's part of each batch (see PoissonBatchSampler).
+        worker_init_fn: called in each worker as `worker_init_fn(worker_id)`, after the
+            worker has set SIGTERM and SIGINT to SIG_IGN (a signal to the process group
+            stops the job through the main process alone).
+        timeout_s: seconds a step waits for a worker's batch before
+            `train.workers.WorkerWatch` names the worker and ends the workers.
 
     Returns:
         The loader; the global torch generator is not consumed by it (the workers' base
@@ -338,11 +346,15 @@ def make_loader(
     # built on resume must not shift the model's random stream (dropout). Fetches reseed
     # per step (_seeded), so the base seed itself changes no batch.
     generator = torch.Generator().manual_seed(0)
-    return DataLoader(
+    if not timeout_s > 0 or timeout_s == float("inf"):
+        raise ValueError(f"timeout_s={timeout_s!r} must be a finite number of seconds > 0")
+    return WorkerLoader(
         _Indexed(data, sampler.seed, fast=collate_fn is None),
         batch_sampler=batches,
         num_workers=num_workers,
         pin_memory=pin_memory,
         collate_fn=_Collate(collate_fn),
         generator=generator,
+        worker_init_fn=WorkerInit(worker_init_fn) if num_workers > 0 else None,
+        worker_timeout_s=timeout_s,
     )

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 from cocoon_ckpt.dp.sampler import CyclicPoissonSampler
 from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.train.data import Batch, as_dataset, dataset_size, make_loader
+from cocoon_ckpt.train.workers import DEFAULT_WORKER_TIMEOUT_S
 
 __all__ = ["JobData"]
 
@@ -29,6 +30,8 @@ class JobData:
         needs_tensors: the job reads ids ahead of training (embedding noise), so the data
             must be tensors (a TensorDataset).
         num_workers, pin_memory, collate_fn: the DataLoader's options.
+        worker_timeout_s: seconds a step waits for a worker's batch before the worker is
+            named (`train.workers.WorkerWatch`).
 
     Raises:
         ConfigError: the sizes differ, or tensors are needed and the data is a Dataset.
@@ -43,6 +46,7 @@ class JobData:
         num_workers: int = 0,
         pin_memory: bool = False,
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S,
     ) -> None:
         self.dataset = as_dataset(data)
         self.size = dataset_size(self.dataset)
@@ -62,6 +66,7 @@ class JobData:
             "num_workers": num_workers,
             "pin_memory": pin_memory,
             "collate_fn": collate_fn,
+            "timeout_s": worker_timeout_s,
         }
 
     @property

@@ -18,6 +18,7 @@ from torch.utils.data import Dataset
 from cocoon_ckpt._state_dict import uncompiled
 from cocoon_ckpt.embedding.config import TableSpec
 from cocoon_ckpt.errors import ConfigError
+from cocoon_ckpt.train.workers import DEFAULT_WORKER_TIMEOUT_S
 
 __all__ = ["JobParts", "Stateful", "make_optimizer", "resolve"]
 
@@ -61,6 +62,9 @@ class JobParts:
         num_workers: DataLoader worker processes (batches are the same with any number).
         pin_memory: Pin each batch's tensors (for a copy to an accelerator).
         collate_fn: Turns a list of Dataset items into a tuple of tensors (default_collate if None).
+        worker_timeout_s: Seconds a step waits for a worker's batch before the job names the
+            worker (its pid; stopped, or stuck in a fetch), releases its lease and stops
+            (exit 1); a dead worker is named at once. Default 300.
     """
 
     model: nn.Module
@@ -74,6 +78,7 @@ class JobParts:
     num_workers: int = 0
     pin_memory: bool = False
     collate_fn: Callable[[list[Any]], Any] | None = None
+    worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S
 
     def __post_init__(self) -> None:
         # Per-sample gradients (torch.func.functional_call under vmap(grad(...))) gain
@@ -112,6 +117,11 @@ class JobParts:
                 )
         if self.num_workers < 0:
             raise ConfigError(f"JobParts.num_workers={self.num_workers} must be >= 0")
+        timeout = self.worker_timeout_s
+        if not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ConfigError(
+                f"JobParts.worker_timeout_s={timeout!r} must be a finite number of seconds > 0"
+            )
 
 
 Builder = Callable[..., JobParts]

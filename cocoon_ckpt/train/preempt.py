@@ -4,7 +4,15 @@ While a job trains, the first signal is only noted: the step in progress finishe
 runner writes a checkpoint in the foreground, releases the lease and raises
 `PreemptedError` (the CLI exits 128 + signal: 143, 130). Outside the training loop
 (setting up, precomputing) and on a second signal there is nothing to finish, so the
-signal raises at once; the runner's cleanup still releases the lease.
+signal raises at once; the runner's cleanup still releases the lease. Taking the lease
+is held whole (`holding`): a signal there is raised once the lease is on record for
+release.
+
+Schedulers signal the whole process group (SLURM's scancel, Kubernetes, Ctrl-C): the
+DataLoader workers ignore the signal (`train.workers`), and once a signal is noted,
+SIGCHLD goes back to its default until the job ends, so a worker that died of it
+anyway (started before it could ignore it) is not raised by torch's SIGCHLD handler in
+the middle of the step being finished or its checkpoint; no batch is fetched after.
 """
 
 from __future__ import annotations
@@ -65,18 +73,39 @@ class Preemption:
         finally:
             self._defer = False
 
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Within this block a first signal is noted; leaving it without an error, a
+        noted signal raises `PreemptedError` (for a stretch of set-up that must not be
+        cut in two: taking the lease and putting it on record for release)."""
+        self._defer = True
+        try:
+            yield
+        finally:
+            self._defer = False
+        if self.requested is not None:
+            raise _early(self.requested)
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self._defer and self.requested is None:
             self.requested = signum
+            if hasattr(signal, "SIGCHLD") and signal.SIGCHLD not in self._old:
+                # restored by __exit__; torch's handler would raise a worker's death here
+                self._old[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             return
-        name = signal.Signals(signum).name
-        raise PreemptedError(
-            f"stopped by {name} before a checkpoint could be written; the newest committed "
-            "version is intact: rerun the same command to resume from it",
-            signum=signum,
-            step=None,
-            version=None,
-        )
+        raise _early(signum)
+
+
+def _early(signum: int) -> PreemptedError:
+    """The error of a signal that stops a job before a checkpoint could be written."""
+    name = signal.Signals(signum).name
+    return PreemptedError(
+        f"stopped by {name} before a checkpoint could be written; the newest committed "
+        "version is intact: rerun the same command to resume from it",
+        signum=signum,
+        step=None,
+        version=None,
+    )
 
 
 def preempted_error(signum: int, step: int, last: Manifest | None, url: str) -> PreemptedError:

@@ -31,11 +31,11 @@ from typing import Any
 from torch import nn
 
 from cocoon_ckpt.dp import _validate as valid
+from cocoon_ckpt.errors import DataWorkerError
 from cocoon_ckpt.records import JobRecords
 from cocoon_ckpt.train.allowances import ResumeAllowances
 from cocoon_ckpt.train.checkpoint import Checkpointer, writer_handoff
 from cocoon_ckpt.train.config import JobConfig
-from cocoon_ckpt.train.data import Batch
 from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.job_records import job_records
 from cocoon_ckpt.train.metrics import MetricsError, TrainingMetrics, step_scalars
@@ -45,6 +45,7 @@ from cocoon_ckpt.train.rank_agreement import agree_on_request
 from cocoon_ckpt.train.start import parts_on_ranks, start_ranks, trainer_on_ranks
 from cocoon_ckpt.train.target_epsilon import calibrated_job
 from cocoon_ckpt.train.trainer import DPTrainer, StepResult
+from cocoon_ckpt.train.workers import WorkerWatch
 from state import Manifest, Store, Version
 
 __all__ = ["JobSession", "open_job"]
@@ -128,6 +129,10 @@ def open_job(
     with contextlib.ExitStack() as undo:
         if preempt is not None:
             undo.enter_context(preempt)
+        # the start puts the lease it takes here while a signal is held off
+        # (`Preemption.holding`): from then on every way out releases it
+        leased: list[Store] = []
+        undo.callback(_release, leased)
         store, latest, key, trainer = start_ranks(
             config,
             store_url,
@@ -138,10 +143,10 @@ def open_job(
             takeover=takeover,
             allow=allow,
             fs=fs,
+            leased=leased,
+            hold=preempt.holding if preempt is not None else contextlib.nullcontext,
         )
         coordinator = dist is None or dist.is_coordinator
-        if coordinator:
-            undo.callback(store.release_lease)
         if trainer is None:
             # In a multi-process job every rank builds its trainer after rank 0's start
             # (a user's builder may hold collectives), then checks and restores it; a
@@ -160,6 +165,12 @@ def open_job(
         session = JobSession(config, store, trainer, ckpt, records, latest, preempt, coordinator)
         undo.pop_all()  # the session owns the lease, the trainer and the handlers now
     return session
+
+
+def _release(leased: list[Store]) -> None:
+    """The leases the start took, released (a failed or stopped start)."""
+    for store in leased:
+        store.release_lease()
 
 
 def _precompute(trainer: DPTrainer, on_precompute: Callable[[int, int], None] | None) -> None:
@@ -268,19 +279,50 @@ class JobSession:
         if trainer.step_index >= limit:
             return
         batches = self._batches(limit)
-        while trainer.step_index < limit:
-            self._stop_if_preempted()
-            res = trainer.train_step(next(batches))
-            self.metrics.add(res.step, step_scalars(res))
-            yield res
-            at_end = trainer.step_index == self.config.dp.steps
-            if trainer.step_index % self.config.checkpoint_every == 0 or at_end:
-                self._save()
+        try:
+            while trainer.step_index < limit:
+                self._stop_if_preempted()
+                res = self._step(batches)
+                self.metrics.add(res.step, step_scalars(res))
+                yield res
+                at_end = trainer.step_index == self.config.dp.steps
+                if trainer.step_index % self.config.checkpoint_every == 0 or at_end:
+                    self._save()
+        finally:
+            batches.close()  # the workers end with the loop, stuck ones killed
 
-    def _batches(self, limit: int) -> Iterator[Batch]:
+    def _batches(self, limit: int) -> WorkerWatch:
         """The batches of steps [step, limit) through the job's DataLoader (its workers
         fetch ahead while the steps run)."""
-        return iter(self.trainer.loader(limit))
+        return WorkerWatch(self.trainer.loader(limit))
+
+    def _step(self, batches: WorkerWatch) -> StepResult:
+        """The next step taken; a DataLoader worker that died or stopped is named."""
+        try:
+            batch = next(batches)
+        except DataWorkerError as exc:
+            # no step began: a worker lost to the signal stopping the job (one started
+            # before it could ignore it) ends in the checkpoint that signal asks for
+            self._stop_if_preempted()
+            raise self._worker_error(exc) from exc
+        try:
+            return self.trainer.train_step(batch)
+        except RuntimeError as exc:
+            # torch raises a worker's death from its SIGCHLD handler, mid-step: the step
+            # is lost, the newest committed version is kept
+            failure = batches.failure(exc)
+            if failure is None:
+                raise
+            raise self._worker_error(failure) from exc
+
+    def _worker_error(self, exc: DataWorkerError) -> DataWorkerError:
+        return DataWorkerError(
+            f"{self.store.url}: {exc.what}; the job stopped, its writer lease is released "
+            "and the newest committed version is kept",
+            exc.fix,
+            pid=exc.pid,
+            step=exc.step,
+        )
 
     def log(self, step: int | None = None, **scalars: float) -> None:
         """Store scalars (an evaluation's accuracy, a learning rate) as values of a step.

@@ -11,8 +11,10 @@ nothing written.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from cocoon_ckpt.errors import NoiseKeyError
@@ -72,12 +74,17 @@ def start_job(
     takeover: bool,
     dist: DistContext | None,
     allow: ResumeAllowances,
+    leased: list[Store] | None = None,
+    hold: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
 ) -> tuple[Store, Version | None, bytes, DPTrainer | None]:
     """Check everything, then write for the first time: create the store, take the lease,
     keep a new job's key. Returns the store (lease held), the version to resume from, the
     key, and (single process) the trainer, built, checked and restored.
 
-    `allow` lifts resume checks (`open_job` has widened it by its keyword flags).
+    `allow` lifts resume checks (`open_job` has widened it by its keyword flags). The
+    lease is taken inside `hold()` (`Preemption.holding`: a signal there raises once it
+    is over) and the store appended to `leased` there, so the caller's record for
+    release holds every lease taken, whatever stops the start.
 
     A writer that commits between the checks and the lease (possible with `takeover`)
     is caught: the checks run again, lease held, against its version.
@@ -109,7 +116,10 @@ def start_job(
                     store = Store.open(store_url, storage_options=storage_options, fs=fs)
                     authenticate(store, key, allow)
                 if store.lease is None:
-                    store.acquire_lease(takeover=takeover, expiry_s=config.lease_expiry_s)
+                    with hold():
+                        store.acquire_lease(takeover=takeover, expiry_s=config.lease_expiry_s)
+                        if leased is not None:
+                            leased.append(store)
                 if store.versions()[-1:] == seen[-1:]:
                     if latest is None:
                         save_key(store, key_file, key)

@@ -52,6 +52,7 @@ from cocoon_ckpt.train.trainer_state import (
 )
 from state import hooks
 
+from cocoon_ckpt.train.workers import DEFAULT_WORKER_TIMEOUT_S
 __all__ = ["DPTrainer", "StepResult", "build_mechanism"]
 
 AFTER_UPDATE = hooks.declare("trainer.after_update", "after the optimizer step of step t")
@@ -138,6 +139,8 @@ class DPTrainer:
         tables = table_specs(embedding)
         self.param_names = dense_param_names(model, tables)
         self.grads = PerSampleGrads(model, loss_fn, self.param_names, tables=tables)
+        worker_timeout_s: seconds a step waits for a DataLoader worker's batch before the
+            worker is named (`train.workers`).
         self.device = model_device(model, self.param_names)
         if pin_memory is None:
             pin_memory = self.device.type == "cuda"
@@ -170,6 +173,7 @@ class DPTrainer:
         self.noise = build_noise(
             self.mechanism,
             self.dim,
+        worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S,
             noise_key,
             config.sigma * config.max_grad_norm,
             noise_dtype,
@@ -189,6 +193,7 @@ class DPTrainer:
         self.identity = job_identity(
             optimizer, scheduler, self.dataset, self.data.size, config.seed, self.device
         )
+            worker_timeout_s=worker_timeout_s,
         self.step_index = 0
         self.last_noise: torch.Tensor | None = None
         self._noise_pool = (

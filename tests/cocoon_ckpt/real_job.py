@@ -5,7 +5,8 @@ physical batch smaller than the logical one.
 
 `python -m cocoon_ckpt train --job tests.cocoon_ckpt.real_job:build` runs it from the
 repository root. `JobConfig.options["step_sleep"]` (seconds) slows each optimizer step
-without changing any result, so a signal sent after a commit lands mid-run.
+without changing any result, so a signal sent after a commit lands mid-run;
+`options["worker_timeout_s"]` sets `JobParts.worker_timeout_s`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.utils.data import Dataset
 from cocoon_ckpt import JobConfig
 from cocoon_ckpt.examples import mlp
 from cocoon_ckpt.train.parts import JobParts
+from cocoon_ckpt.train.workers import DEFAULT_WORKER_TIMEOUT_S
 
 __all__ = ["EMA", "Pairs", "build"]
 
@@ -85,4 +87,5 @@ def build(config: JobConfig) -> JobParts:
         scheduler=torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5),
         stateful={"ema": ema},
         num_workers=2,
+        worker_timeout_s=float(config.options.get("worker_timeout_s", DEFAULT_WORKER_TIMEOUT_S)),
     )
