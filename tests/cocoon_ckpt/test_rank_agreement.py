@@ -16,9 +16,13 @@ import pytest
 
 from cocoon_ckpt._cli.main import main
 from cocoon_ckpt.keys import create_key_file, key_id, new_key
+from cocoon_ckpt.train.allowances import ResumeAllowances
 from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.rank_agreement import RankDisagreementError, agree_on
+from cocoon_ckpt.train.runner import run_job
+from cocoon_ckpt.train.start import start_ranks
 from state import Store
+from tests.cocoon_ckpt.conftest import job_config
 from tests.cocoon_ckpt.test_distributed import ENV, _free_port
 
 
@@ -176,3 +180,47 @@ def test_three_ranks_list_every_value_and_a_field_one_lacks() -> None:
             "dp.seed: rank 0 0, rank 1 0, rank 2 7",
             "options.a: rank 0 1, rank 1 <absent>, rank 2 <absent>",
         ]
+
+
+class _Rank1:
+    """Rank 1 of 2 in one process: rank 0's start sent `coordinator_key_id` and version 0
+    (no version: a new job), and rank 0's checks passed."""
+
+    rank, world, is_coordinator = 1, 2, False
+    agree = DistContext.agree
+    from_coordinator = DistContext.from_coordinator
+
+    def __init__(self, coordinator_key_id: str) -> None:
+        self.sent = coordinator_key_id
+
+    def broadcast_object(self, obj: object) -> object:
+        return ("ok", (None, self.sent))
+
+    def all_gather_object(self, obj: object) -> list[object]:
+        return [None, obj]
+
+
+def test_a_rank_reading_another_key_after_rank_0_made_it_is_refused(tmp_path: Path) -> None:
+    # rank 0 made a new key at the path every rank named; on rank 1's host that path
+    # holds another key (no shared disk): refused by id once rank 1 reads it
+    url, key = str(tmp_path / "run.zarr"), tmp_path / "k"
+    config = job_config("mlp", bands=2, steps=4)
+    run_job(config, url, key_file=str(key))
+    coordinator = key_id(bytes(32))
+    before = _tree(tmp_path)
+    rank1: DistContext = _Rank1(coordinator)  # type: ignore[assignment]
+    with pytest.raises(RankDisagreementError) as caught:
+        start_ranks(
+            config,
+            url,
+            rank1,
+            None,
+            storage_options=None,
+            key_file=str(key),
+            takeover=False,
+            allow=ResumeAllowances(),
+            fs=None,
+        )
+    mine = key_id(key.read_bytes())
+    assert caught.value.differences == [f"key: rank 0 key id {coordinator}, rank 1 key id {mine}"]
+    assert _tree(tmp_path) == before  # rank 1 writes nothing
