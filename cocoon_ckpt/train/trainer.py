@@ -50,9 +50,9 @@ from cocoon_ckpt.train.trainer_state import (
     rng_state,
     table_arrays,
 )
+from cocoon_ckpt.train.workers import DEFAULT_WORKER_TIMEOUT_S
 from state import hooks
 
-from cocoon_ckpt.train.workers import DEFAULT_WORKER_TIMEOUT_S
 __all__ = ["DPTrainer", "StepResult", "build_mechanism"]
 
 AFTER_UPDATE = hooks.declare("trainer.after_update", "after the optimizer step of step t")
@@ -100,6 +100,8 @@ class DPTrainer:
         collate_fn: passed to that DataLoader (default_collate if None).
         grad_threads: torch intra-op threads of the per-sample gradients, clipping and
             optimizer step (`train.grad_threads`); None: torch's count when built.
+        worker_timeout_s: seconds a step waits for a DataLoader worker's batch before the
+            worker is named (`train.workers`).
 
     Raises:
         ConfigError: the data's size is not `config.dataset_size`; embedding noise with
@@ -131,6 +133,7 @@ class DPTrainer:
         pin_memory: bool | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         grad_threads: int | None = None,
+        worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S,
     ) -> None:
         # asked for (None: any) and in force; a resume sets the stored count (train.resume)
         self.requested_grad_threads = grad_threads
@@ -139,8 +142,6 @@ class DPTrainer:
         tables = table_specs(embedding)
         self.param_names = dense_param_names(model, tables)
         self.grads = PerSampleGrads(model, loss_fn, self.param_names, tables=tables)
-        worker_timeout_s: seconds a step waits for a DataLoader worker's batch before the
-            worker is named (`train.workers`).
         self.device = model_device(model, self.param_names)
         if pin_memory is None:
             pin_memory = self.device.type == "cuda"
@@ -151,6 +152,7 @@ class DPTrainer:
             num_workers=num_workers,
             pin_memory=pin_memory,
             collate_fn=collate_fn,
+            worker_timeout_s=worker_timeout_s,
         )
         self.dataset = self.data.dataset
         self.noise_rng = as_noise_rng(config.noise_rng)
@@ -173,7 +175,6 @@ class DPTrainer:
         self.noise = build_noise(
             self.mechanism,
             self.dim,
-        worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S,
             noise_key,
             config.sigma * config.max_grad_norm,
             noise_dtype,
@@ -193,7 +194,6 @@ class DPTrainer:
         self.identity = job_identity(
             optimizer, scheduler, self.dataset, self.data.size, config.seed, self.device
         )
-            worker_timeout_s=worker_timeout_s,
         self.step_index = 0
         self.last_noise: torch.Tensor | None = None
         self._noise_pool = (
