@@ -10,6 +10,7 @@ __all__ = [
     "GeneratorMismatchError",
     "MissingExtraError",
     "NoiseKeyError",
+    "NonFiniteGradientError",
     "PreemptedError",
     "PrivacyBudgetError",
     "StateSchemaError",
@@ -69,6 +70,22 @@ class MissingExtraError(ConfigError, ImportError):
 
 class NoiseKeyError(CocoonError, PermissionError):
     """The noise key is missing, unreadable or does not match the store."""
+
+
+class NonFiniteGradientError(CocoonError, ValueError):
+    """A per-sample gradient of a step is not finite (NaN or inf in the data, or a loss
+    that overflowed): clipping cannot bound it, so the step is refused before its update,
+    and nothing of it is committed.
+
+    Attributes:
+        step: the DP step t.
+        indices: the dataset indices of the examples whose gradient is not finite.
+    """
+
+    def __init__(self, message: str, *, step: int, indices: list[int]) -> None:
+        super().__init__(message)
+        self.step = step
+        self.indices = indices
 
 
 class PreemptedError(CocoonError):

@@ -12,16 +12,17 @@ from collections.abc import Callable
 
 from scipy import optimize
 
+from cocoon_ckpt.dp._validate import SIGMA_MAX, SIGMA_MIN
 from cocoon_ckpt.dp.accounting import AccountingMethod, epsilon, validate_arguments
 from cocoon_ckpt.dp.blt_accounting import blt_epsilon, blt_noise_multiplier_for
 from cocoon_ckpt.dp.pld_composition import OneRound
 from cocoon_ckpt.errors import PrivacyBudgetError
 
-__all__ = ["SIGMA_MIN", "blt_noise_multiplier", "noise_multiplier_for"]
+__all__ = ["SIGMA_MAX", "SIGMA_MIN", "blt_noise_multiplier", "noise_multiplier_for"]
 
-#: The smallest sigma calibration returns: below it the PLD discretisation grows without
-#: bound, and a target that needs it is no real privacy.
-SIGMA_MIN = 0.3
+# SIGMA_MIN: the smallest sigma calibration returns (and a config takes): below it the PLD
+# discretisation grows without bound, and a target that needs it is no real privacy.
+# SIGMA_MAX: the largest; a target that needs more is refused (`dp._validate` says why).
 
 #: `noise_multiplier_for` searches on this grid: 10x coarser than the reported one, so
 #: each trial sigma's one-round PLD builds about 10x faster.
@@ -37,7 +38,8 @@ def _secant(fn: Callable[[float], float], target: float, sigma: float, tol: floa
         if not all(map(math.isfinite, fs)) or fs[-1] == fs[-2]:
             return None
         x = xs[-1] - fs[-1] * (xs[-1] - xs[-2]) / (fs[-1] - fs[-2])
-        x = max(x, math.log(SIGMA_MIN))
+        # within the accepted range: a secant step to 1e21 overflowed RDP's composition
+        x = min(max(x, math.log(SIGMA_MIN)), math.log(SIGMA_MAX))
         if abs(x - xs[-1]) < tol:
             return math.exp(x)
         xs.append(x)
@@ -63,7 +65,8 @@ def noise_multiplier_for(
     delta: float,
     method: str = "pld",
 ) -> float:
-    """The smallest sigma >= 0.3 whose epsilon after `steps` steps is <= `target_epsilon`.
+    """The smallest sigma >= 0.3 whose epsilon after `steps` steps is <= `target_epsilon`
+    (at most 1e8, `SIGMA_MAX`: a target that needs more is refused).
 
     PLD: the search runs on a 10x coarser pessimistic grid, whose epsilon lies just
     above the reported one (measured: the sigma found is within 0.2% of the reported
@@ -76,8 +79,9 @@ def noise_multiplier_for(
 
     Raises:
         ValueError: an argument is out of range.
-        PrivacyBudgetError: no sigma >= 0.3 reaches the target (below 0.3 the PLD
-            discretisation grows without bound; such a target is no real privacy).
+        PrivacyBudgetError: no sigma in [0.3, 1e8] reaches the target (below 0.3 the
+            PLD discretisation grows without bound; above 1e8, more noise than any job
+            needs: `dp._validate.SIGMA_MAX`).
     """
     if not target_epsilon > 0:
         raise ValueError(f"target_epsilon={target_epsilon} must be > 0")
@@ -100,6 +104,13 @@ def noise_multiplier_for(
             f"delta={delta} for {steps} steps: {why}"
         )
 
+    def too_strict() -> PrivacyBudgetError:
+        return PrivacyBudgetError(
+            f"target_epsilon={target_epsilon} at delta={delta} for {steps} steps needs a "
+            f"noise_multiplier above {SIGMA_MAX:g}, the largest accepted (epsilon there is "
+            f"{reported(SIGMA_MAX):.3g}): ask for a larger target_epsilon"
+        )
+
     if searched(SIGMA_MIN, 10 * _SEARCH_INTERVAL) <= target_epsilon:
         sigma = SIGMA_MIN  # the floor: any target this loose is met at sigma = 0.3
     else:
@@ -107,9 +118,9 @@ def noise_multiplier_for(
         if found is None:  # the secant lost its way: bracket and bisect (slower, sure)
             lo, hi = SIGMA_MIN, 1.0
             while searched(hi) > target_epsilon:
-                lo, hi = hi, 2 * hi
-                if hi > 1e6:
-                    raise fail(f"epsilon still exceeds the target at sigma={lo:g}")
+                if hi >= SIGMA_MAX:
+                    raise too_strict()
+                lo, hi = hi, min(2 * hi, SIGMA_MAX)
             x = optimize.brentq(
                 lambda x: searched(math.exp(x)) - target_epsilon,
                 math.log(lo),
@@ -117,11 +128,13 @@ def noise_multiplier_for(
                 xtol=1e-5,
             )
             found = math.exp(x)
-        sigma = found * (1 + 1e-5)
+        sigma = min(found * (1 + 1e-5), SIGMA_MAX)
     for _ in range(50):
         if reported(sigma) <= target_epsilon:
             return float(sigma)
-        sigma *= 1.001
+        if sigma >= SIGMA_MAX:
+            raise too_strict()
+        sigma = min(sigma * 1.001, SIGMA_MAX)
     raise fail(f"the search's answer {sigma:g} does not meet it under the reported accounting")
 
 
@@ -137,6 +150,12 @@ def blt_noise_multiplier(target_epsilon: float, sensitivity: float, delta: float
         delta: in (0, 1).
     """
     sigma = max(SIGMA_MIN, blt_noise_multiplier_for(target_epsilon, sensitivity, delta))
+    if sigma > SIGMA_MAX:
+        raise PrivacyBudgetError(
+            f"target_epsilon={target_epsilon} at delta={delta} (BLT sensitivity "
+            f"{sensitivity:g}) needs a noise_multiplier of {sigma:.3g}, above {SIGMA_MAX:g}, "
+            "the largest accepted: ask for a larger target_epsilon"
+        )
     if blt_epsilon(sigma, sensitivity, delta) > target_epsilon:
         raise PrivacyBudgetError(
             f"sigma={sigma:g} found for epsilon={target_epsilon} at delta={delta} "

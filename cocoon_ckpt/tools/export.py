@@ -64,6 +64,23 @@ def _key(store: Store, key_file: str | None) -> bytes | None:
     return load_key(store, None)
 
 
+def _refuse_nonfinite(model: dict[str, torch.Tensor], store_url: str, version: int) -> None:
+    """Refuse a model with a NaN or inf parameter or buffer: a model that diverged (or a
+    store written before the trainer refused non-finite gradients) is no model to release.
+
+    Raises:
+        StoreError: naming the version and the tensors.
+    """
+    bad = [k for k, v in model.items() if v.is_floating_point() and not bool(v.isfinite().all())]
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise StoreError(
+            f"{store_url}: the model of version {version} holds non-finite values (NaN or "
+            f"inf) in {shown}: export refuses to release it; retrain from a version whose "
+            "model is finite"
+        )
+
+
 def _check_out(store: Store, out: str) -> tuple[str, str]:
     """The model and report paths, after every check that can refuse them."""
     report = out + REPORT_SUFFIX
@@ -180,7 +197,8 @@ def export_model(
     Raises:
         ExportPathError: `out` lies inside the store, its folder is missing, or it or
             its report already exists. Checked before anything is read or written.
-        StoreError: the store has no version, or the job is unfinished.
+        StoreError: the store has no version, the job is unfinished, or its model holds
+            NaN or inf values.
         CorruptVersionError: the newest version fails verification, or its records
             contradict what they can be recomputed from (fingerprint, epsilon, shapes).
     """
@@ -236,6 +254,7 @@ def export_model(
         model = plain_keys(model, f"the model of version {latest.version}")
     except ConfigError as exc:
         raise _damaged(latest, str(exc)) from None
+    _refuse_nonfinite(model, store_url, latest.version)
     eps = (
         epsilon_of_run(rec["config"]["dp"], rec.get("mechanism"), done, method.value)
         if done > 0

@@ -24,7 +24,7 @@ from cocoon_ckpt.train.mechanisms import Mechanism, build_mechanism, mechanism_f
 from cocoon_ckpt.train.model_checks import check_model
 from cocoon_ckpt.train.part_state import encode_part_state
 from cocoon_ckpt.train.parts import JobParts, resolve
-from cocoon_ckpt.train.trainer import DPTrainer
+from cocoon_ckpt.train.trainer import DPTrainer, check_scheduler
 
 __all__ = [
     "build_trainer",
@@ -127,6 +127,7 @@ def check_parts(config: JobConfig, parts: JobParts) -> None:
     """
     check_config_optimizer(parts.optimizer, config.optimizer, config.lr, parts.scheduler)
     check_part_states(parts)
+    check_scheduler(parts.scheduler)
     # the trainer's own data and model checks, run without the trainer
     JobData(_dataset(config, parts), config.dp.dataset_size, needs_tensors=bool(config.embedding))
     check_model(uncompiled(parts.model), parts.loss_fn, config.dp, _embedding(config, parts))

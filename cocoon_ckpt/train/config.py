@@ -29,6 +29,8 @@ __all__ = [
     "ACCOUNTANTS",
     "HARMLESS_FIELDS",
     "HARMLESS_SECTIONS",
+    "MAX_LR",
+    "MIN_LEASE_EXPIRY_S",
     "NOISE_RNGS",
     "OPTIMIZERS",
     "DPConfig",
@@ -72,6 +74,15 @@ OPTIMIZERS = (
 #: `NoiseRng`'s values (dp.generator imports torch; the config is read without it).
 NOISE_RNGS = ("default", "secure")
 
+#: The largest `JobConfig.lr`: no optimizer trains at a larger rate (`--lr 1e308` failed at
+#: the first optimizer step, after the store was written: torch cannot convert it to a
+#: float32 parameter's type).
+MAX_LR = 1e6
+#: The shortest `JobConfig.lease_expiry_s`. The holder renews every third of it (1.7 s
+#: here), time for a renewal on a busy object store (a PUT can take hundreds of ms) to land
+#: before the lease looks dead to another host; at 1e-9 s the heartbeat spun.
+MIN_LEASE_EXPIRY_S = 5.0
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DPConfig:
@@ -81,12 +92,14 @@ class DPConfig:
         steps: n, total training steps.
         batch_size: B, expected batch size (Poisson sampling).
         dataset_size: N, examples in the training set.
-        noise_multiplier: sigma: fresh noise std is sigma * max_grad_norm. Give it or
-            `target_epsilon`, not both; with a target it is None until the job's start calibrates it
-            (`sigma` reads it either way).
+        noise_multiplier: sigma: fresh noise std is sigma * max_grad_norm, in [0.3, 1e8]
+            (`dp._validate.SIGMA_MIN`, `SIGMA_MAX`: below, the accountant's composition grows
+            without bound and the epsilon is no real privacy; above, the noise is more than any
+            job needs). Give it or `target_epsilon`, not both; with a target it is None until the
+            job's start calibrates it (`sigma` reads it either way).
         target_epsilon: The epsilon at `delta` the whole job (`steps` steps) must stay within: sigma
             is calibrated once at job start (the smallest sigma >= 0.3 that meets it under
-            `accountant`) and recorded beside it, so every resume reuses it. A calibrated config
+            `accountant`; a target that needs sigma above 1e8 is refused) and recorded beside it, so every resume reuses it. A calibrated config
             (and its record) carries both fields.
         accountant: How epsilon is composed (`pld`: tight; `rdp`: looser), for the calibration and
             the reported epsilon. Fingerprinted only with `target_epsilon`, where it chose sigma;
@@ -173,7 +186,7 @@ class DPConfig:
                 "epsilon to calibrate sigma for); give one of the two"
             )
         if sigma is not None:
-            valid.positive_real("DPConfig.noise_multiplier", sigma)
+            valid.noise_multiplier("DPConfig.noise_multiplier", sigma)
         if target is not None:
             valid.positive_real("DPConfig.target_epsilon", target)
         valid.check(
@@ -240,7 +253,7 @@ class JobConfig:
         job: What to train: `example:mlp`, `example:dlrm` or a `module:function` path.
         dp: The privacy configuration.
         lr: Learning rate of the job's optimizer (its first param group's, before any scheduler
-            step). The job must build its optimizer with it: a job whose optimizer runs another is
+            step), in (0, 1e6] (`MAX_LR`). The job must build its optimizer with it: a job whose optimizer runs another is
             refused at build, so the recorded config says what ran.
         optimizer: The job's optimizer: a `torch.optim` class name in lower case (`sgd`, `adam`,
             `adamw`, ...; `OPTIMIZERS`), or `custom` for a class of the job's own (its class and
@@ -252,7 +265,7 @@ class JobConfig:
         log_level: Logging level (harmless).
         lease_expiry_s: Seconds after its last renewal that the writer lease of a holder on another
             host counts as dead, so a job restarted elsewhere resumes without takeover; the holder
-            renews it every third of that (harmless).
+            renews it every third of that (harmless). In [5, 86400] (`MIN_LEASE_EXPIRY_S`).
         tiers: Where the noise history lives (device, host, far); None: all on the host (harmless:
             the noise is bit-identical on any tiers).
         overlap_noise: Compute w_t in a worker thread while the per-sample gradients are taken
@@ -290,6 +303,13 @@ class JobConfig:
         )
         valid.check(isinstance(self.dp, DPConfig), "JobConfig.dp", self.dp, "be a DPConfig")
         valid.positive_real("JobConfig.lr", self.lr)
+        valid.check(
+            self.lr <= MAX_LR,
+            "JobConfig.lr",
+            self.lr,
+            f"be at most {MAX_LR:g}: no optimizer trains at a larger rate, and above float32's "
+            "3.4e38 torch cannot even apply it to a float32 parameter",
+        )
         valid.text("JobConfig.optimizer", self.optimizer, OPTIMIZERS)
         valid.check(
             isinstance(self.options, dict) and all(isinstance(k, str) for k in self.options),
@@ -304,6 +324,14 @@ class JobConfig:
         if self.grad_threads is not None:
             valid.integer("JobConfig.grad_threads", self.grad_threads, 1, 4096)
         valid.positive_real("JobConfig.lease_expiry_s", self.lease_expiry_s)
+        valid.check(
+            self.lease_expiry_s >= MIN_LEASE_EXPIRY_S,
+            "JobConfig.lease_expiry_s",
+            self.lease_expiry_s,
+            f"be at least {MIN_LEASE_EXPIRY_S:g} seconds (--lease-expiry): the holder renews "
+            "its lease every third of it, and a shorter one loses the lease to a slow renewal "
+            "or spins renewing it",
+        )
         valid.check(
             self.lease_expiry_s <= 86400,
             "JobConfig.lease_expiry_s",

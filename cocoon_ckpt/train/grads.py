@@ -60,6 +60,11 @@ class ClippedSum(NamedTuple):
     table_grads: SparseGrads
     """Per embedding table: (unique rows (k,) int64, summed clipped row gradients
     (k, dim)); empty when there are no tables."""
+    nonfinite: list[int]
+    """Positions in the batch (0-based, in batch order) of the examples whose
+    per-sample gradient norm is not finite; empty for a finite batch. Clipping cannot
+    bound such a gradient (NaN stays NaN, and 0 * inf is NaN), so `summed` is not
+    finite then and must not be used."""
 
 
 def check_per_sample(model: nn.Module) -> None:
@@ -192,19 +197,22 @@ class PerSampleGrads:
                     )
                     for t in self._tables
                 ],
+                [],
             )
         step = n if physical_batch_size is None else physical_batch_size
         summed: torch.Tensor | None = None
         losses: list[torch.Tensor] = []
+        norms: list[torch.Tensor] = []
         rows: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
         for a in range(0, n, step):
             chunk = [d[a : a + step] for d in batch]
             if device is not None:
                 chunk = [d.to(device, non_blocking=True) for d in chunk]
-            partial, loss, row_parts = self._chunk(params, buffers, chunk, max_grad_norm)
+            partial, loss, norm, row_parts = self._chunk(params, buffers, chunk, max_grad_norm)
             # chunk partials are added in chunk order: one association per chunk size
             summed = partial if summed is None else summed.add_(partial)
             losses.append(loss)
+            norms.append(norm)
             rows.append(row_parts)
         if summed is None:  # unreachable for n > 0; keeps the type exact
             raise RuntimeError("no chunk was taken of a non-empty batch")
@@ -219,7 +227,7 @@ class PerSampleGrads:
         # per-sample losses come with the gradients: no second forward pass for the report
         # (one chunk's losses are averaged as they are: a cat of one copies the same bits)
         loss = losses[0] if len(losses) == 1 else torch.cat(losses)
-        return ClippedSum(summed, float(loss.mean()), tables)
+        return ClippedSum(summed, float(loss.mean()), tables, _nonfinite(norms))
 
     def _chunk(
         self,
@@ -227,18 +235,24 @@ class PerSampleGrads:
         buffers: dict[str, torch.Tensor],
         chunk: list[torch.Tensor],
         max_grad_norm: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
-        """One chunk: (clipped dense sum (dim,), per-sample losses, per table (ids, row
-        gradients, clip scales)); its per-sample gradients are freed on return."""
+    ) -> tuple[
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    ]:
+        """One chunk: (clipped dense sum (dim,), per-sample losses, per-sample gradient
+        norms, per table (ids, row gradients, clip scales)); its per-sample gradients are
+        freed on return."""
         if not self.tables:
-            partial, losses = self._dense_chunk(params, buffers, chunk, max_grad_norm)
-            return partial, losses, []
+            partial, losses, norms = self._dense_chunk(params, buffers, chunk, max_grad_norm)
+            return partial, losses, norms, []
         m = int(chunk[0].shape[0])
         grads, row_grads, ids, losses = self.per_sample(params, buffers, chunk)
         per_param = [grads[k].reshape(m, -1) for k in self.param_names]
-        scale, partial = clip_and_sum(per_param, row_grads, max_grad_norm, self.dtype)
+        scale, partial, norms = clip_and_sum(per_param, row_grads, max_grad_norm, self.dtype)
         rows = [(i, g, scale) for i, g in zip(ids, row_grads, strict=True)]
-        return partial, losses, rows
+        return partial, losses, norms, rows
 
     def _dense_chunk(
         self,
@@ -246,9 +260,10 @@ class PerSampleGrads:
         buffers: dict[str, torch.Tensor],
         chunk: list[torch.Tensor],
         max_grad_norm: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A chunk of a model without tables, eagerly or by the recorded graph
-        (`train.traced_grads`: the same ops, the same bits)."""
+        (`train.traced_grads`: the same ops, the same bits): (clipped sum, per-sample
+        losses, per-sample gradient norms)."""
         fixed = [*params.values(), *buffers.values()]
         # what a tape depends on besides n: names, the clip, modes, layouts (a Python
         # decomposition may branch on strides); 11 us a chunk on the digits MLP
@@ -268,21 +283,24 @@ class PerSampleGrads:
             # a subclass that overrides per_sample is called on every chunk, as before
             if seen > self.trace_after and type(self).per_sample is PerSampleGrads.per_sample:
                 fn = self._chunk_fns[key] = TracedChunk(fn)
-        return fn(*fixed, *chunk)
+        partial, losses, norms = fn(*fixed, *chunk)
+        return partial, losses, norms
 
     def _flat_chunk(self, buffer_names: list[str], max_grad_norm: float) -> ChunkFn:
         """The eager chunk function on flat inputs (parameters, buffers, chunk tensors):
-        `per_sample`, then `clip_and_sum`."""
+        `per_sample`, then `clip_and_sum`; the norms are returned too (computed for the
+        clip anyway: an output of the tape, not another op)."""
         names = self.param_names
         n_params, n_fixed = len(names), len(names) + len(buffer_names)
 
-        def chunk_fn(*flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def chunk_fn(*flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             params = dict(zip(names, flat[:n_params], strict=True))
             buffers = dict(zip(buffer_names, flat[n_params:n_fixed], strict=True))
             grads, _, _, losses = self.per_sample(params, buffers, list(flat[n_fixed:]))
             m = int(flat[-1].shape[0])
             per_param = [grads[k].reshape(m, -1) for k in names]
-            return clip_and_sum(per_param, [], max_grad_norm, self.dtype)[1], losses
+            _, partial, norms = clip_and_sum(per_param, [], max_grad_norm, self.dtype)
+            return partial, losses, norms
 
         return chunk_fn
 
@@ -349,8 +367,9 @@ def clip_and_sum(
     row_grads: list[torch.Tensor],
     max_grad_norm: float,
     dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clip scales (m,) of one chunk and its clipped dense sum (dim,).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Clip scales (m,) of one chunk, its clipped dense sum (dim,) and its per-sample
+    gradient norms (m,), which the clip computed (`_nonfinite` reads them).
 
     Args:
         per_param: per dense parameter, the chunk's gradients (m, numel).
@@ -368,7 +387,17 @@ def clip_and_sum(
         partial = torch.cat([scale.to(g.dtype) @ g for g in per_param])
     else:
         partial = torch.zeros(0, dtype=dtype, device=scale.device)
-    return scale, partial
+    return scale, partial, norms
+
+
+def _nonfinite(norms: list[torch.Tensor]) -> list[int]:
+    """Positions of the non-finite per-sample gradient norms in the batch (chunks in
+    order). One reduction and one read for a finite batch; the positions are looked up
+    only where there are some."""
+    every = norms[0] if len(norms) == 1 else torch.cat(norms)
+    if bool(torch.isfinite(every).all()):
+        return []
+    return [int(i) for i in torch.nonzero(~torch.isfinite(every)).flatten()]
 
 
 def _tied_aliases(model: nn.Module) -> list[tuple[str, list[str]]]:

@@ -47,7 +47,9 @@ __all__ = [
 ]
 
 #: What a step's result carries that is stored as a metric of its step, when present
-#: and finite (an empty Poisson batch has a nan loss: that step has no loss point).
+#: and finite (an empty Poisson batch has a nan loss: that step has no loss point; so has
+#: a step whose loss is NaN or inf while its gradients are finite, which trains: a
+#: manifest holds finite numbers only, and a non-finite gradient refuses its step).
 STEP_METRICS = ("loss", "grad_norm", "noise_norm")
 
 #: The record's name in a version's manifest.

@@ -46,8 +46,9 @@ __all__ = ["ChunkFn", "TracedChunk", "compile_tape"]
 
 log = logging.getLogger("cocoon_ckpt.train.grads")
 
-#: flat inputs (parameters, buffers, chunk tensors) -> (clipped sum (dim,), losses (n,))
-ChunkFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+#: flat inputs (parameters, buffers, chunk tensors) -> (clipped sum (dim,), losses (n,),
+#: per-sample gradient norms (n,))
+ChunkFn = Callable[..., tuple[torch.Tensor, ...]]
 
 
 def compile_tape(tape: Tape, inputs: int) -> Callable[..., Any]:
@@ -164,10 +165,10 @@ class TracedChunk:
         """Whether the merged tape serves the sizes it was checked at."""
         return self._replay is not None
 
-    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         n = int(inputs[-1].shape[0])
         if self._replay is not None and n in self.checked:
-            out: tuple[torch.Tensor, torch.Tensor] = self._replay(*inputs, n)
+            out: tuple[torch.Tensor, ...] = self._replay(*inputs, n)
             return out
         first = self._first
         if self.reason is not None or n in self.eager_sizes or (first and first.n == n):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
@@ -18,13 +19,14 @@ from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.embedding.engine import TablePlan
 from cocoon_ckpt.embedding.one_thread import fixed_threads
 from cocoon_ckpt.embedding.tables import EmbeddingNoise
+from cocoon_ckpt.errors import ConfigError, NonFiniteGradientError
 from cocoon_ckpt.tiers.config import TierConfig
 from cocoon_ckpt.train.config import DPConfig
 from cocoon_ckpt.train.data import Batch
 from cocoon_ckpt.train.device import batch_to, model_device
 from cocoon_ckpt.train.distributed import DistContext, check_distributed
 from cocoon_ckpt.train.grad_threads import resolve_grad_threads
-from cocoon_ckpt.train.grads import PerSampleGrads
+from cocoon_ckpt.train.grads import ClippedSum, PerSampleGrads
 from cocoon_ckpt.train.identity import job_identity
 from cocoon_ckpt.train.job_data import JobData
 from cocoon_ckpt.train.mechanisms import (
@@ -67,7 +69,9 @@ class DPTrainer:
     per-sample gradients with `torch.func.vmap(grad(...))` (in chunks of at most
     `config.physical_batch_size`), clip each to `max_grad_norm`, sum, add w_t (std
     sigma * clip; drawn on the host and copied to the model's device: `train.device`),
-    divide by the expected batch size, step the optimizer, then the LR scheduler. After
+    divide by the expected batch size, step the optimizer, then the LR scheduler. A
+    per-sample gradient that is not finite refuses its step before the update
+    (`NonFiniteGradientError`, naming the examples' dataset indices). After
     a step the dense parameters' `.grad` hold its noisy gradient (views of one buffer
     the next step overwrites: `train.noisy_grads`).
 
@@ -242,16 +246,34 @@ class DPTrainer:
     def clipped_sum(self, idx: torch.Tensor) -> tuple[torch.Tensor, float]:
         """Sum of the per-sample gradients of examples `idx`, clipped to max_grad_norm,
         flattened to (dim,), and their mean loss."""
-        return self._clipped(self.data.gather(idx))
+        r = self._clipped(self.data.gather(idx))
+        return r.summed, r.loss
 
-    def _clipped(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, float]:
+    def _clipped(self, tensors: Sequence[torch.Tensor]) -> ClippedSum:
         # forward, per-sample GEMMs, norms and sums (eager or replayed) at the job's count
         with fixed_threads(self.grad_threads):
             r = self.grads.clipped_sum(
                 tensors, self.config.max_grad_norm, self.config.physical_batch_size
             )
         self._table_grads = list(r.table_grads)
-        return r.summed, r.loss
+        return r
+
+    def _nonfinite(self, t: int, batch: Batch, r: ClippedSum) -> NonFiniteGradientError | None:
+        """The refusal of step t when a per-sample gradient of its batch is not finite,
+        naming the examples by their dataset index (None for a finite batch)."""
+        if not r.nonfinite:
+            return None
+        bad = [int(batch.indices[i]) for i in r.nonfinite]
+        shown = ", ".join(map(str, bad[:5])) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        return NonFiniteGradientError(
+            f"step {t}: the per-sample gradient of dataset example{'s' if len(bad) > 1 else ''} "
+            f"{shown} is not finite (NaN or inf in its inputs or target, or a loss that "
+            "overflowed), and clipping cannot bound it: the step is refused before its "
+            "update and nothing of it is committed (the newest version stays); fix or drop "
+            "the example in the dataset, then rerun",
+            step=t,
+            indices=bad,
+        )
 
     def train_step(self, batch: Batch | None = None) -> StepResult:
         """Take step t = `step_index` and advance.
@@ -276,30 +298,42 @@ class DPTrainer:
             )
         mine = len(batch)
         batch = batch_to(batch, self.device)
+        # from here until the step is whole, the trainer's state is no step's: a failure
+        # leaves it marked, and `state_dict` refuses to snapshot it
+        self._failed_step = t
         if self.embedding is not None:
             self.embedding.before_step(t)  # pending noise of the rows this step reads
         if self._noise_pool is not None:
             # w_t is computed while the gradients are: it needs nothing from them
             pending = self._noise_pool.submit(self.noise.step)
             try:
-                summed, loss = self._clipped(batch.tensors)
+                r = self._clipped(batch.tensors)
             finally:
                 w = pending.result()  # never leave the ring half-written behind
+            bad = self._nonfinite(t, batch, r)
         else:
-            summed, loss = self._clipped(batch.tensors)
+            r = self._clipped(batch.tensors)
+            bad = self._nonfinite(t, batch, r)
+            if bad is not None and self.dist is None:
+                raise bad  # before the noise: the ring stays at step t
             w = self.noise.step()
+        summed, loss = r.summed, r.loss
         if self.dist is not None:
             # partial sums added in rank order; every rank's noise slice to every rank
             summed = self.dist.sum_in_rank_order(summed)
             w = self.dist.gather_noise(w, self.dim)
             sums = self.dist.sum_in_rank_order(
                 torch.tensor(
-                    [0.0 if mine == 0 else loss * mine, float(mine)],
+                    [0.0 if mine == 0 else loss * mine, float(mine), float(bad is not None)],
                     dtype=torch.float64,
                     device=summed.device,
                 )
             )
+            if sums[2] > 0:  # a rank's example is not finite: every rank raises its refusal
+                self.dist.agree(bad)
             loss = float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
+        elif bad is not None:
+            raise bad
         self.last_noise = w  # w_t of the step just taken (for traces; not copied)
         self._noisy.set(summed, w)
         if self.embedding is not None:
@@ -316,6 +350,7 @@ class DPTrainer:
             self.scheduler.step()
         self.accountant.step()
         self.step_index = t + 1
+        self._failed_step = None
         hooks.point(AFTER_UPDATE, step=t)
         return StepResult(
             step=t,
@@ -340,7 +375,17 @@ class DPTrainer:
     # state -----------------------------------------------------------------------
     def state_dict(self) -> TrainerState:
         """Everything a version holds, by reference to live tensors (copy before
-        writing): `cocoon_ckpt.train.codec` encodes exactly this."""
+        writing): `cocoon_ckpt.train.codec` encodes exactly this.
+
+        Raises:
+            RuntimeError: a step raised halfway (a non-finite gradient, a failed
+                collective): the state is no step's, and no version may hold it.
+        """
+        if self._failed_step is not None:
+            raise RuntimeError(
+                f"step {self._failed_step} stopped halfway, so this trainer's state is no "
+                "step's and cannot be checkpointed; reopen the job from its store"
+            )
         scheduler, stateful = part_states(self.scheduler, self.stateful)
         return {
             "kind": "DPTrainer",
