@@ -55,11 +55,46 @@ from cocoon_ckpt.train.trainer_state import (
 from cocoon_ckpt.train.workers import DEFAULT_WORKER_TIMEOUT_S
 from state import hooks
 
-__all__ = ["DPTrainer", "StepResult", "build_mechanism"]
+__all__ = ["DPTrainer", "StepResult", "build_mechanism", "check_scheduler"]
 
 AFTER_UPDATE = hooks.declare("trainer.after_update", "after the optimizer step of step t")
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def check_scheduler(scheduler: Any) -> None:
+    """Refuse an LR scheduler the DP step cannot step: one whose `step()` needs an argument
+    (ReduceLROnPlateau's metric). The trainer steps it once per DP step with none, and has
+    no private metric to give it: the training loss is computed from the private batch
+    without noise, so a learning rate that follows it would leak the data outside the
+    privacy accounting. Refused when the trainer is built, before anything is written.
+
+    Raises:
+        ConfigError: naming the scheduler, what its step needs and the fix.
+    """
+    if scheduler is None:
+        return
+    step = getattr(scheduler, "step", None)
+    if not callable(step):
+        raise ConfigError(
+            f"the job's scheduler {type(scheduler).__name__} has no step(); give a "
+            "torch.optim.lr_scheduler scheduler (or None)"
+        )
+    try:
+        params = inspect.signature(step).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    needed = [p.name for p in params if p.kind in positional and p.default is p.empty]
+    if needed:
+        raise ConfigError(
+            f"the job's scheduler {type(scheduler).__name__} steps on "
+            f"{', '.join(needed)} (step({', '.join(needed)})), and a DP step has no private "
+            "value to give it: the training loss comes from the private batch without "
+            "noise, so a learning rate that follows it would leak the data outside the "
+            "accounting; use a schedule fixed in advance (StepLR, CosineAnnealingLR, "
+            "LambdaLR, ...)"
+        )
 
 
 class DPTrainer:
@@ -108,7 +143,8 @@ class DPTrainer:
             worker is named (`train.workers`).
 
     Raises:
-        ConfigError: the data's size is not `config.dataset_size`; embedding noise with
+        ConfigError: the data's size is not `config.dataset_size`; a scheduler that steps
+            on a metric (`check_scheduler`); embedding noise with
             `noise_rng` other than default, or on more than one rank
             (`train.distributed.check_distributed`; one rank runs it as one process).
         ValueError: embedding noise is configured with no table named, or
@@ -139,6 +175,7 @@ class DPTrainer:
         grad_threads: int | None = None,
         worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S,
     ) -> None:
+        check_scheduler(scheduler)
         # asked for (None: any) and in force; a resume sets the stored count (train.resume)
         self.requested_grad_threads = grad_threads
         self.grad_threads = resolve_grad_threads(grad_threads)
@@ -199,6 +236,8 @@ class DPTrainer:
             optimizer, scheduler, self.dataset, self.data.size, config.seed, self.device
         )
         self.step_index = 0
+        #: the step that raised halfway (None: the state is a step boundary's)
+        self._failed_step: int | None = None
         self.last_noise: torch.Tensor | None = None
         self._noise_pool = (
             concurrent.futures.ThreadPoolExecutor(
