@@ -282,6 +282,29 @@ def test_create_key_file_writes_the_whole_key_0600_and_never_overwrites(tmp_path
 # data ------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("chunk", [None, 3, 4])
+def test_the_clipped_sum_names_each_non_finite_example_in_batch_order(chunk: int | None) -> None:
+    import torch
+    from torch import nn
+
+    from cocoon_ckpt.train.grads import PerSampleGrads
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3))
+    names = [k for k, _ in model.named_parameters()]
+    ps = PerSampleGrads(model, nn.functional.cross_entropy, names)
+    x, y = torch.randn(10, 5), torch.randint(0, 3, (10,))
+    # twice each: the second pass replays the recorded tape where one was recorded
+    for _ in range(2):
+        assert ps.clipped_sum([x, y], 1.0, chunk).nonfinite == []
+    bad = x.clone()
+    bad[3, 0], bad[8, 2] = float("nan"), float("inf")
+    for _ in range(2):
+        got = ps.clipped_sum([bad, y], 1.0, chunk)
+        assert got.nonfinite == [3, 8]
+        assert not bool(got.summed.isfinite().all())  # what the trainer must not apply
+
+
 def _first_step_with(index_choice: Callable[[list[set[int]]], tuple[int, int]]) -> tuple[int, int]:
     """(step, example) chosen from the batches SMALL's job draws (N=256, B=16, b=2,
     seed 0), read from the real sampler."""
