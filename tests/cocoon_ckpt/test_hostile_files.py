@@ -115,6 +115,14 @@ def test_a_fifo_key_file_is_refused_at_once(
     code, out, err = _main(capsys, "train", "--store", str(store), "--key-file", str(key), *SMALL)
     assert code == 2 and f"key file {key} is not a regular file" in err, err
     assert not store.exists()
+    kept = tmp_path / "kept.zarr"
+    real_key = tmp_path / "real.key"
+    code, out, err = _main(
+        capsys, "train", "--store", str(kept), "--key-file", str(real_key), *SMALL
+    )
+    assert code == 0, err
+    code, out, err = _main(capsys, "audit", str(kept), "--key-file", str(key))
+    assert code == 2 and f"key file {key} is not a regular file" in err, out + err
 
 
 def test_a_manifests_folder_linked_out_of_the_store_is_refused(

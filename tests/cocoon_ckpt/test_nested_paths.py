@@ -70,6 +70,8 @@ def test_a_key_file_inside_a_store_is_refused_with_nothing_written(
     link.symlink_to(store / "secret" / "noise.key")
     code, err = _main(capsys, "train", "--store", str(store), "--key-file", str(link), *SMALL)
     assert code == 2 and "lies inside the store" in err, err
+    code, err = _main(capsys, "audit", str(store), "--key-file", str(link))
+    assert code == 2 and "lies inside the store" in err, err
     assert _tree(store) == before
 
 
