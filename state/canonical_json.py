@@ -54,8 +54,9 @@ _JSON_SEP = ", "  # the C encoder's item separator without an indent
 
 class JSONBoundsError(json.JSONDecodeError):
     """A document refused before it was parsed: nested deeper than `MAX_DEPTH`, a number
-    longer than `MAX_NUMBER_CHARS`, or NaN/Infinity (a `json.JSONDecodeError`, so callers
-    that report a torn document by its position report this one alike)."""
+    longer than `MAX_NUMBER_CHARS` or past a float's range, or NaN/Infinity (a
+    `json.JSONDecodeError`, so callers that report a torn document by its position
+    report this one alike)."""
 
 
 class NonFiniteError(ValueError):
