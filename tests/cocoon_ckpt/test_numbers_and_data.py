@@ -424,3 +424,38 @@ def test_a_non_finite_example_on_one_rank_is_refused_on_every_rank(
     assert ranks[1][1] == line  # one message on every rank: rank 1's
     latest = Store.open(str(store), create=False).latest()
     assert latest is not None and latest.step == 2
+
+
+def test_a_loop_that_catches_the_refusal_commits_nothing_of_the_step(
+    tmp_path: Path,
+) -> None:
+    # the user's own loop: the refusal caught, the job closed as if nothing happened
+    import dataclasses
+
+    from cocoon_ckpt.errors import NonFiniteGradientError
+    from cocoon_ckpt.examples import mlp
+    from cocoon_ckpt.train.session import open_job
+    from tests.cocoon_ckpt.conftest import job_config
+
+    config = dataclasses.replace(job_config(bands=2, steps=8), checkpoint_every=2)
+    parts = mlp.build(config)
+    x, y = parts.data
+    sampler = CyclicPoissonSampler(dataset_size=512, batch_size=16, bands=2, seed=0)
+    seen = set(sampler.batch(0).tolist()) | set(sampler.batch(1).tolist())
+    bad = next(i for i in sampler.batch(2).tolist() if i not in seen)
+    x = x.clone()
+    x[bad, 0] = float("nan")
+    parts = dataclasses.replace(parts, data=None, dataset=(x, y))
+    store = tmp_path / "s.zarr"
+    job = open_job(config, str(store), parts, key_file=str(tmp_path / "k"))
+    with pytest.raises(NonFiniteGradientError) as refused:
+        for _ in job.steps():
+            pass
+    assert (refused.value.step, refused.value.indices) == (2, [bad])
+    committed = _committed(store)
+    with pytest.raises(RuntimeError, match="^step 2 stopped halfway"):
+        job.trainer.state_dict()  # what a Checkpointer would snapshot
+    job.close()  # the step reached is the newest version's: nothing to write
+    assert _committed(store) == committed
+    latest = Store.open(str(store), create=False).latest()
+    assert latest is not None and latest.step == 2
