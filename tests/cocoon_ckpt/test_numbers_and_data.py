@@ -101,6 +101,27 @@ def plateau(config):
     )
 
 
+class Deep:
+    # a stateful part whose state nests 200 lists deep
+
+    def state_dict(self):
+        state = []
+        for _ in range(200):
+            state = [state]
+        return {"deep": state}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def deep_state(config):
+    p = mlp.build(config)
+    return JobParts(
+        model=p.model, optimizer=p.optimizer, loss_fn=p.loss_fn, dataset=Pairs(*p.data),
+        stateful={"deep": Deep()},
+    )
+
+
 class WithBuffer(nn.Module):
     def __init__(self, inner):
         super().__init__()
@@ -277,6 +298,14 @@ def test_create_key_file_writes_the_whole_key_0600_and_never_overwrites(tmp_path
     with pytest.raises(FileExistsError):
         create_key_file(str(key), bytes(32))
     assert key.read_bytes() == bytes(range(32))  # the existing key stays
+
+
+def test_a_stateful_part_nested_too_deep_is_refused_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], job: str
+) -> None:
+    argv = ["train", "--job", f"{job}:deep_state", "--store", str(tmp_path / "s.zarr"), *SMALL]
+    line = _refused_before_writing(tmp_path, argv, capsys, 2)
+    assert "stateful/deep" in line and "nests deeper than" in line
 
 
 # data ------------------------------------------------------------------------------------
