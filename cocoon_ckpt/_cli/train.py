@@ -17,7 +17,7 @@ from cocoon_ckpt._cli.train_config import (
 )
 from cocoon_ckpt.dp.mechanism import MechanismKind
 from cocoon_ckpt.errors import ConfigError
-from cocoon_ckpt.train.config import NOISE_RNGS, OPTIMIZERS, JobConfig
+from cocoon_ckpt.train.config import CLIPPINGS, NOISE_RNGS, OPTIMIZERS, JobConfig
 from state.canonical_json import load_bounded
 
 if TYPE_CHECKING:
@@ -118,6 +118,13 @@ def add_parser(sub: Subparsers) -> None:
         choices=NOISE_RNGS,
         help="generator of the fresh noise: numpy SFC64, or ChaCha20 (secure, needs the "
         f"cryptography package) {_default('noise_rng')}",
+    )
+    p.add_argument(
+        "--clipping",
+        choices=CLIPPINGS,
+        help="how per-sample gradients are clipped: vmap forms them chunk by chunk; ghost "
+        "forms none for Linear, LayerNorm and Embedding layers (norms from activations and "
+        f"output gradients, then a reweighted backward) {_default('clipping')}",
     )
     p.add_argument("--lr", type=float, help=f"learning rate {_default('lr')}")
     p.add_argument(

@@ -43,6 +43,7 @@ JOB_FLAGS: dict[str, str] = {
     "seed": "dp.seed",
     "physical_batch_size": "dp.physical_batch_size",
     "noise_rng": "dp.noise_rng",
+    "clipping": "dp.clipping",
     "lr": "lr",
     "optimizer": "optimizer",
 }

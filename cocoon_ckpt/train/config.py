@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ACCOUNTANTS",
+    "CLIPPINGS",
     "HARMLESS_FIELDS",
     "HARMLESS_SECTIONS",
     "MAX_LR",
@@ -73,6 +74,9 @@ OPTIMIZERS = (
 )
 #: `NoiseRng`'s values (dp.generator imports torch; the config is read without it).
 NOISE_RNGS = ("default", "secure")
+#: `DPConfig.clipping`'s values: per-sample gradients by vmap (`train.grads`), or ghost
+#: norms and a reweighted backward (`train.ghost`).
+CLIPPINGS = ("vmap", "ghost")
 
 #: The largest `JobConfig.lr`: no optimizer trains at a larger rate (`--lr 1e308` failed at
 #: the first optimizer step, after the store was written: torch cannot convert it to a
@@ -118,6 +122,12 @@ class DPConfig:
             chunk sizes differ in the last bits, so it is part of the fingerprint.
         noise_rng: Which generator draws the fresh noise (`cocoon_ckpt.dp.generator.NoiseRng`, or
             its value): `default` (numpy SFC64) or `secure` (ChaCha20). Kept as its value.
+        clipping: How the clipped per-sample gradient sum is taken (`CLIPPINGS`): `vmap`
+            forms each chunk's per-sample gradients (`train.grads`); `ghost` forms none for
+            nn.Linear, nn.LayerNorm and nn.Embedding, taking their per-sample norms from
+            activations and output gradients, then the clipped sum by a second, reweighted
+            backward (`train.ghost`; other layers take per-sample gradients of their own
+            parameters). The two agree to float rounding, not bit for bit: fingerprinted.
     """
 
     steps: int
@@ -133,6 +143,7 @@ class DPConfig:
     seed: int = 0
     physical_batch_size: int | None = None
     noise_rng: NoiseRng | str = "default"
+    clipping: str = "vmap"
     calibrated: InitVar[bool] = False
     """Not a field: True lets `noise_multiplier` and `target_epsilon` both be given, as a
     calibrated config carries them (`from_record` passes it for a record holding both)."""
@@ -176,6 +187,7 @@ class DPConfig:
             )
         valid.text("DPConfig.noise_rng", self.noise_rng, NOISE_RNGS)
         object.__setattr__(self, "noise_rng", str(self.noise_rng))
+        valid.text("DPConfig.clipping", self.clipping, CLIPPINGS)
 
     def _check_noise(self, calibrated: bool) -> None:
         """Exactly one of sigma and the target, unless calibrated (both); the accountant."""

@@ -47,6 +47,7 @@ _ADDED = {
     "embedding": None,
     "dp.physical_batch_size": None,
     "dp.noise_rng": "default",
+    "dp.clipping": "vmap",
     "dp.target_epsilon": None,
     "dp.accountant": "pld",
 }

@@ -14,6 +14,7 @@ from cocoon_ckpt.embedding.config import EmbeddingConfig, TableSpec
 from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.train.config import DPConfig
 from cocoon_ckpt.train.device import model_device
+from cocoon_ckpt.train.ghost import GhostGrads
 from cocoon_ckpt.train.grads import PerSampleGrads
 
 __all__ = ["check_model", "check_noise_rng", "dense_param_names", "table_specs"]
@@ -66,12 +67,15 @@ def check_model(
     Raises:
         ValueError: embedding noise with no table named; a table is not a parameter.
         UnsupportedModelError: a BatchNorm in training mode, or trainable parameters
-            not float32/float64.
+            not float32/float64; under `clipping="ghost"`, what `GhostGrads` refuses.
         ConfigError: the dense parameters lie on several devices; embedding noise with
             a `noise_rng` other than default.
     """
     tables = table_specs(embedding)
     dense = dense_param_names(model, tables)
-    PerSampleGrads(model, loss_fn, dense, tables=tables)  # its refusals; nothing is taken
+    # its refusals (ghost clipping's: tables, tied weights); nothing is taken
+    (GhostGrads if config.clipping == "ghost" else PerSampleGrads)(
+        model, loss_fn, dense, tables=tables
+    )
     model_device(model, dense)
     check_noise_rng(embedding, as_noise_rng(config.noise_rng))

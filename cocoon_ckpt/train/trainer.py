@@ -25,6 +25,7 @@ from cocoon_ckpt.train.config import DPConfig
 from cocoon_ckpt.train.data import Batch
 from cocoon_ckpt.train.device import batch_to, model_device
 from cocoon_ckpt.train.distributed import DistContext, check_distributed
+from cocoon_ckpt.train.ghost import GhostGrads
 from cocoon_ckpt.train.grad_threads import resolve_grad_threads
 from cocoon_ckpt.train.grads import ClippedSum, PerSampleGrads
 from cocoon_ckpt.train.identity import job_identity
@@ -102,7 +103,9 @@ class DPTrainer:
 
     Each step: sample the batch of step t, move it to the model's device, take
     per-sample gradients with `torch.func.vmap(grad(...))` (in chunks of at most
-    `config.physical_batch_size`), clip each to `max_grad_norm`, sum, add w_t (std
+    `config.physical_batch_size`; with `config.clipping="ghost"` their norms from
+    activations and output gradients instead, `train.ghost`), clip each to
+    `max_grad_norm`, sum, add w_t (std
     sigma * clip; drawn on the host and copied to the model's device: `train.device`),
     divide by the expected batch size, step the optimizer, then the LR scheduler. A
     per-sample gradient that is not finite refuses its step before the update
@@ -182,7 +185,9 @@ class DPTrainer:
         model = uncompiled(model)  # plain names; JobParts says why it trains the original
         tables = table_specs(embedding)
         self.param_names = dense_param_names(model, tables)
-        self.grads = PerSampleGrads(model, loss_fn, self.param_names, tables=tables)
+        self.grads = (GhostGrads if config.clipping == "ghost" else PerSampleGrads)(
+            model, loss_fn, self.param_names, tables=tables
+        )
         self.device = model_device(model, self.param_names)
         if pin_memory is None:
             pin_memory = self.device.type == "cuda"

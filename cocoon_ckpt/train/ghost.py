@@ -1,0 +1,436 @@
+"""Ghost clipping: the clipped per-sample gradient sum without per-sample gradients of
+nn.Linear, nn.LayerNorm and nn.Embedding (`DPConfig.clipping="ghost"`).
+
+Each chunk of the batch is run through the model once, batched, while hooks keep every
+covered layer's input a and output s. One backward of the summed per-sample losses gives
+the output gradients g = dl_i/ds_i, from which each example's gradient norm follows
+without forming the gradient (Li et al. 2022, Bu et al. 2023 "fastDP"):
+
+- Linear, input (m, T, d), output gradient (m, T, p): ||G_i||^2 =
+  <a_i a_i^T, g_i g_i^T> (the ghost norm, m T^2 (d + p) work) or, where T (d + p) > p d,
+  the direct ||g_i^T a_i||^2 ((m, p, d) for that layer only); bias ||sum_t g_it||^2.
+- LayerNorm: the per-sample weight gradient sum_t g_it * xhat_it is (m, d) anyway, formed.
+- Embedding: ||G_i||^2 = sum over token pairs with the same row of <g_it, g_is>.
+
+A layer called several times (shared blocks) has its calls joined along T, which is its
+per-sample gradient's sum. The clip factors c_i = min(1, C / (||G_i|| + 1e-6)) then
+weight a second backward of sum_i c_i l_i through the same graph (two passes): the
+clipped sum is the plain gradient of that loss, formed by torch's own backward.
+
+Any other module holding trainable parameters takes the per-sample gradients of those
+parameters only, by a vmap of the module's own forward over the inputs and output
+gradients its hook kept (the reason is logged once). A trainable parameter used outside
+its module's forward (tied weights, a functional call on another module's weight) would
+make a norm too small, which a privacy guarantee cannot afford: a tensor shared under
+two names is refused when built, and every use is checked during the forward pass (a
+torch function mode), refused by name.
+
+The result is a pure function of (parameters, batch, physical batch size) on a device
+type, as the vmap path's is, and agrees with it to float rounding (not bit for bit: the
+two take different GEMMs).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.func import functional_call, vjp, vmap
+from torch.overrides import TorchFunctionMode
+
+from cocoon_ckpt.embedding.config import TableSpec
+from cocoon_ckpt.errors import UnsupportedModelError
+from cocoon_ckpt.train.grads import (
+    ClippedSum,
+    LossFn,
+    PerSampleGrads,
+    _nonfinite,
+)
+
+__all__ = ["GhostGrads", "linear_norm_mode"]
+
+log = logging.getLogger("cocoon_ckpt.train.ghost")
+
+_FIX = "use --clipping vmap (DPConfig.clipping='vmap')"
+
+#: Functions of a parameter that carry no gradient from it (metadata, fresh tensors):
+#: a use outside its module's forward that cannot make a norm too small.
+_NO_GRADIENT = frozenset(
+    {
+        "__get__",
+        "size",
+        "dim",
+        "numel",
+        "stride",
+        "detach",
+        "data_ptr",
+        "is_contiguous",
+        "new_zeros",
+        "new_ones",
+        "new_empty",
+        "new_full",
+        "new_tensor",
+        "zeros_like",
+        "ones_like",
+        "empty_like",
+        "full_like",
+    }
+)
+
+
+def linear_norm_mode(tokens: int, d_in: int, d_out: int) -> str:
+    """Which per-sample norm of a Linear weight costs less: `ghost` (T^2 (d + p) per
+    example, (m, T, T) memory) or `direct` (T p d, (m, p, d) memory). One token is
+    always `ghost`: ||a||^2 ||g||^2."""
+    return "ghost" if tokens * (d_in + d_out) <= d_in * d_out or tokens == 1 else "direct"
+
+
+@dataclass
+class _Layer:
+    """A module holding trainable parameters, and how its norms are taken."""
+
+    name: str
+    module: nn.Module
+    kind: str  # "linear", "layernorm", "embedding" or "per-sample"
+    params: dict[str, nn.Parameter]  # its own trainable parameters, by local name
+    calls: list[tuple[tuple[Any, ...], dict[str, Any], torch.Tensor, int]] = field(
+        default_factory=list
+    )  # per call: (args, kwargs, output, output's version)
+
+
+class GhostGrads(PerSampleGrads):
+    """Per-sample clipped sums by ghost norms (see the module docstring).
+
+    Args and checks as `PerSampleGrads`, and:
+
+    Raises:
+        UnsupportedModelError: embedding noise tables (they take per-row gradients), a
+            trainable tensor held under two names, or an Embedding with `max_norm`,
+            `sparse` or `scale_grad_by_freq` (they change the weight or couple examples).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        param_names: Sequence[str],
+        *,
+        tables: Sequence[TableSpec] = (),
+    ) -> None:
+        super().__init__(model, loss_fn, param_names, tables=tables, trace_after=None)
+        if tables:
+            raise UnsupportedModelError(
+                f"clipping='ghost' does not serve embedding noise tables "
+                f"({', '.join(s.param for s in tables)}: their gradients are taken per row); {_FIX}"
+            )
+        dense = set(self.param_names)
+        for first, others in self._aliases:
+            if first in dense:
+                raise UnsupportedModelError(
+                    f"parameter {first} is tied to {', '.join(others)}: ghost clipping takes "
+                    f"each layer's norm on its own, so a tied weight's would be too small; {_FIX}"
+                )
+        self.layers: list[_Layer] = []
+        for mname, mod in model.named_modules():
+            own = {
+                k: p
+                for k, p in mod.named_parameters(recurse=False)
+                if (f"{mname}.{k}" if mname else k) in dense
+            }
+            if own:
+                self.layers.append(_Layer(mname or "<model>", mod, _kind(mname, mod), own))
+        self._called: set[nn.Parameter] = set()  # parameters whose module ran this chunk
+        self._owner = {id(p): layer for layer in self.layers for p in layer.params.values()}
+        self._names = {
+            id(p): f"{layer.name}.{k}" for layer in self.layers for k, p in layer.params.items()
+        }
+        fallback = [
+            f"{x.name} ({type(x.module).__name__})" for x in self.layers if x.kind == "per-sample"
+        ]
+        if fallback:
+            log.info(
+                "ghost clipping: %s take per-sample gradients of their own parameters "
+                "(ghost norms cover nn.Linear, nn.LayerNorm and nn.Embedding)",
+                ", ".join(fallback),
+            )
+
+    def clipped_sum(
+        self,
+        batch: Sequence[torch.Tensor],
+        max_grad_norm: float,
+        physical_batch_size: int | None = None,
+    ) -> ClippedSum:
+        """As `PerSampleGrads.clipped_sum`, by ghost norms and a reweighted backward.
+
+        Raises:
+            ValueError: physical_batch_size < 1 or the tensors disagree on n.
+            UnsupportedModelError: a trainable parameter was used outside its module's
+                forward, a layer's output was changed in place, or a module without
+                ghost norms could not be vmapped.
+        """
+        n = int(batch[0].shape[0]) if batch else 0
+        if n == 0 or (physical_batch_size is not None and physical_batch_size < 1):
+            return super().clipped_sum(batch, max_grad_norm, physical_batch_size)
+        if any(int(d.shape[0]) != n for d in batch):
+            raise ValueError(
+                f"batch tensors disagree on the number of examples: {[d.shape[0] for d in batch]}"
+            )
+        device = self._dense[0].device if self._dense else None
+        step = n if physical_batch_size is None else physical_batch_size
+        summed: torch.Tensor | None = None
+        losses: list[torch.Tensor] = []
+        norms: list[torch.Tensor] = []
+        for a in range(0, n, step):
+            chunk = [d[a : a + step] for d in batch]
+            if device is not None:
+                chunk = [d.to(device, non_blocking=True) for d in chunk]
+            with torch.enable_grad():
+                partial, loss, norm = self._ghost_chunk(chunk, max_grad_norm)
+            summed = partial if summed is None else summed.add_(partial)
+            losses.append(loss)
+            norms.append(norm)
+        if summed is None:  # unreachable for n > 0; keeps the type exact
+            raise RuntimeError("no chunk was taken of a non-empty batch")
+        loss = losses[0] if len(losses) == 1 else torch.cat(losses)
+        return ClippedSum(summed, float(loss.mean()), [], _nonfinite(norms))
+
+    def _ghost_chunk(
+        self, chunk: list[torch.Tensor], max_grad_norm: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One chunk: (clipped sum (dim,), per-sample losses (m,), gradient norms (m,))."""
+        m = int(chunk[0].shape[0])
+        out = self._forward(chunk[:-1])
+        if not isinstance(out, torch.Tensor):
+            raise UnsupportedModelError(
+                f"clipping='ghost' takes models whose output is one tensor; "
+                f"{type(self.model).__name__} returned {type(out).__name__}; {_FIX}"
+            )
+        loss_fn = self.loss_fn
+        losses = vmap(lambda o, y: loss_fn(o.unsqueeze(0), y.unsqueeze(0)))(out, chunk[-1])
+        try:
+            calls = [(x, c) for x in self.layers for c in x.calls]
+            for x, (_, _, o, version) in calls:
+                if o._version != version:
+                    raise UnsupportedModelError(
+                        f"the output of {x.name} ({type(x.module).__name__}) was changed in "
+                        f"place after its forward (e.g. relu_): its output gradient is no "
+                        f"longer the layer's; make that op out of place, or {_FIX}"
+                    )
+            outs = [c[2] for _, c in calls]
+            gouts = torch.autograd.grad(losses.sum(), outs, retain_graph=True, allow_unused=True)
+            sq = torch.zeros(m, dtype=self.dtype, device=out.device)
+            start = 0
+            for x in self.layers:
+                k = len(x.calls)
+                gs = [
+                    torch.zeros_like(c[2]) if g is None else g
+                    for c, g in zip(x.calls, gouts[start : start + k], strict=True)
+                ]
+                start += k
+                if k:
+                    sq += self._layer_sq(x, gs, m)
+            norms = sq.sqrt()
+            scale = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+            weighted = (losses * scale.to(losses.dtype)).sum()
+            grads = torch.autograd.grad(weighted, self._dense, allow_unused=True)
+        finally:
+            for x in self.layers:
+                x.calls.clear()
+        parts = []
+        for name, p, g in zip(self.param_names, self._dense, grads, strict=True):
+            if g is None:
+                g = torch.zeros_like(p)
+            elif p not in self._called and bool(g.ne(0).any()):
+                # its module never ran, yet it has a gradient: used by another's forward
+                raise UnsupportedModelError(
+                    f"parameter {name} got a gradient though its module never ran its "
+                    f"forward (used by another module's code): its norm cannot be taken; {_FIX}"
+                )
+            parts.append(g.detach().reshape(-1).to(self.dtype))
+        return torch.cat(parts), losses.detach(), norms
+
+    def _forward(self, inputs: list[torch.Tensor]) -> Any:
+        """The model on one chunk, keeping every layer's calls and checking each use of
+        a trainable parameter against the modules running."""
+        running: list[int] = []
+        self._called = set()
+        owner, names = self._owner, self._names
+        misuse: list[str] = []
+
+        def pre(mod: nn.Module, args: Any) -> None:
+            running.append(id(mod))
+
+        def post(mod: nn.Module, args: Any, out: Any) -> None:
+            running.pop()
+
+        def keep(layer: _Layer) -> Callable[..., None]:
+            def hook(mod: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
+                if not isinstance(out, torch.Tensor):
+                    raise UnsupportedModelError(
+                        f"module {layer.name} ({type(mod).__name__}) returned "
+                        f"{type(out).__name__}, not a tensor: its output gradient cannot be "
+                        f"kept; {_FIX}"
+                    )
+                layer.calls.append((args, kwargs, out, out._version))
+                self._called.update(layer.params.values())
+
+            return hook
+
+        class Uses(TorchFunctionMode):
+            def __torch_function__(
+                self,
+                func: Any,
+                types: Any,
+                args: Sequence[Any] = (),
+                kwargs: dict[str, Any] | None = None,
+            ) -> Any:
+                name = getattr(func, "__name__", str(func))
+                for t in () if name in _NO_GRADIENT else (*args, *(kwargs or {}).values()):
+                    layer = owner.get(id(t))
+                    if layer is not None and id(layer.module) not in running:
+                        misuse.append(f"{names[id(t)]} (in {name})")
+                return func(*args, **(kwargs or {}))
+
+        handles = []
+        try:
+            for mod in self.model.modules():
+                handles.append(mod.register_forward_pre_hook(pre))
+                handles.append(mod.register_forward_hook(post, always_call=True))
+            for x in self.layers:
+                handles.append(x.module.register_forward_hook(keep(x), with_kwargs=True))
+            with Uses():
+                out = self.model(*inputs)
+        finally:
+            for h in handles:
+                h.remove()
+        if misuse:
+            for x in self.layers:
+                x.calls.clear()
+            raise UnsupportedModelError(
+                f"trainable parameter {misuse[0]} is used outside its own module's forward "
+                f"(a tied or borrowed weight): ghost clipping would miss that use in its "
+                f"norm; {_FIX}"
+            )
+        return out
+
+    def _layer_sq(self, x: _Layer, gs: list[torch.Tensor], m: int) -> torch.Tensor:
+        """Per-example squared gradient norm (m,) of one layer's trainable parameters."""
+        dt = self.dtype
+        mod = x.module
+        if x.kind == "per-sample":
+            return self._per_sample_sq(x, gs, m)
+        g = torch.cat([gi.reshape(m, -1, gi.shape[-1]) for gi in gs], dim=1).to(dt)
+        sq = torch.zeros(m, dtype=dt, device=g.device)
+        if x.kind == "linear":
+            a = torch.cat([c[0][0].detach().reshape(m, -1, c[0][0].shape[-1]) for c in x.calls], 1)
+            a = a.to(dt)
+            if "weight" in x.params:
+                tokens, d, p = a.shape[1], a.shape[2], g.shape[2]
+                if linear_norm_mode(tokens, d, p) == "ghost":
+                    if tokens == 1:
+                        sq += a.square().sum((1, 2)) * g.square().sum((1, 2))
+                    else:
+                        aa = torch.bmm(a, a.transpose(1, 2))
+                        sq += (aa * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+                else:
+                    sq += torch.bmm(g.transpose(1, 2), a).square().sum((1, 2))
+            if "bias" in x.params:
+                sq += g.sum(1).square().sum(1)
+        elif x.kind == "layernorm":
+            ln = cast(nn.LayerNorm, mod)
+            shape = tuple(ln.normalized_shape)
+            if "weight" in x.params:
+                xhat = torch.cat(
+                    [
+                        torch.nn.functional.layer_norm(
+                            c[0][0].detach(), shape, None, None, ln.eps
+                        ).reshape(m, -1, g.shape[-1])
+                        for c in x.calls
+                    ],
+                    1,
+                ).to(dt)
+                sq += (g * xhat).sum(1).square().sum(1)
+            if "bias" in x.params:
+                sq += g.sum(1).square().sum(1)
+        else:  # embedding
+            emb = cast(nn.Embedding, mod)
+            ids = torch.cat([c[0][0].reshape(m, -1) for c in x.calls], 1)
+            same = ids[:, :, None] == ids[:, None, :]
+            if emb.padding_idx is not None:
+                kept = ids != emb.padding_idx
+                same &= kept[:, :, None] & kept[:, None, :]
+            sq += (torch.bmm(g, g.transpose(1, 2)) * same).sum((1, 2))
+        return sq
+
+    def _per_sample_sq(self, x: _Layer, gs: list[torch.Tensor], m: int) -> torch.Tensor:
+        """Squared norms of a module's own per-sample gradients, by a vmap of its forward
+        alone over each call's inputs and output gradient."""
+        mod, names = x.module, list(x.params)
+        values = {k: p.detach() for k, p in x.params.items()}
+        total: dict[str, torch.Tensor] = {}
+        for (args, kwargs, _, _), g in zip(x.calls, gs, strict=True):
+            flat = [*args, *kwargs.values()]
+            batched = [
+                isinstance(t, torch.Tensor) and t.dim() > 0 and int(t.shape[0]) == m for t in flat
+            ]
+            keys = list(kwargs)
+
+            def one(
+                gi: torch.Tensor,
+                *items: Any,
+                nargs: int = len(args),
+                batched: list[bool] = batched,
+                keys: list[str] = keys,
+            ) -> Any:
+                full = [t.unsqueeze(0) if b else t for t, b in zip(items, batched, strict=True)]
+                call_args = tuple(full[:nargs])
+                call_kwargs = dict(zip(keys, full[nargs:], strict=True))
+
+                def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
+                    out: torch.Tensor = functional_call(mod, p, call_args, call_kwargs)
+                    return out
+
+                back = vjp(f, values)[1]
+                return back(gi.unsqueeze(0))[0]
+
+            items = [t.detach() if isinstance(t, torch.Tensor) else t for t in flat]
+            dims = (0, *[0 if b else None for b in batched])
+            try:
+                per = vmap(one, in_dims=dims)(g.detach(), *items)
+            except (RuntimeError, ValueError) as exc:
+                raise UnsupportedModelError(
+                    f"module {x.name} ({type(mod).__name__}) has no ghost norm and its "
+                    f"per-sample gradients could not be taken by a vmap of its forward: "
+                    f"{exc}; {_FIX}"
+                ) from exc
+            for k in names:
+                total[k] = per[k] if k not in total else total[k] + per[k]
+        return torch.stack(
+            [total[k].reshape(m, -1).to(self.dtype).square().sum(1) for k in names]
+        ).sum(0)
+
+
+def _kind(name: str, mod: nn.Module) -> str:
+    """How a module's norms are taken; a refusal for layers no path serves."""
+    if type(mod) is nn.Linear:
+        return "linear"
+    if type(mod) is nn.LayerNorm:
+        return "layernorm"
+    if type(mod) is nn.Embedding:
+        for flag, bad in (
+            ("max_norm", mod.max_norm is not None),
+            ("sparse", mod.sparse),
+            ("scale_grad_by_freq", mod.scale_grad_by_freq),
+        ):
+            if bad:
+                raise UnsupportedModelError(
+                    f"embedding {name} has {flag} set: it renormalises the weight in place "
+                    f"or couples examples in its gradient, so no per-sample norm exists "
+                    f"under clipping='ghost'; {_FIX}"
+                )
+        return "embedding"
+    return "per-sample"
