@@ -54,9 +54,13 @@ def run_kill_chaos(
     train_args: list[str], *, trials: int, seed: int, report: ChaosReport | None = None
 ) -> ChaosReport:
     """`trials` runs of `cocoon-ckpt train <train_args>` in subprocesses on local disk,
-    each SIGKILLed at random crash points and random moments, rerun until done; the
-    exported model must equal an uninterrupted run's bit for bit, and the newest
-    version must never move backwards. `train_args` must not name --store/--key-file.
+    each SIGKILLed at random crash points and random moments, and once sent SIGTERM to
+    its whole process group at a random moment (as a scheduler preempts), rerun until
+    done; the exported model must equal an uninterrupted run's bit for bit, and the
+    newest version must never move backwards. A SIGTERM must end in exit 143 with the
+    step it names committed (or, before the job's handlers, in the signal's default
+    death) and leave no lease of its own held. `train_args` must not name
+    --store/--key-file.
     """
     import os
     import signal
@@ -87,15 +91,33 @@ def run_kill_chaos(
                     env["COCOON_CRASH_AT"] = point
                 elif attempt < 4:
                     timeout = rng.uniform(1.0, 6.0)
+                group = attempt == 1  # SIGTERM to its process group, as schedulers send it
+                generation = _lease_generation(store)
                 p = subprocess.Popen(
-                    run, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+                    run,
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    start_new_session=group,
                 )
                 try:
                     p.wait(timeout=timeout or 600)
                 except subprocess.TimeoutExpired:
-                    p.send_signal(signal.SIGKILL)
+                    if group:
+                        os.killpg(p.pid, signal.SIGTERM)
+                    else:
+                        p.send_signal(signal.SIGKILL)
                     p.wait()
-                if p.returncode == -signal.SIGKILL:
+                if group and p.returncode in (128 + signal.SIGTERM, -signal.SIGTERM):
+                    err = p.stderr.read().decode() if p.stderr else ""
+                    wrong = _unclean_preemption(store, generation, p.returncode, err)
+                    if wrong is not None:
+                        report.failures.append(f"kill trial {trial}: {wrong}")
+                        report.divergences += 1
+                        break
+                    report.faults["SIGTERM to the process group"] += 1
+                    report.resumes += 1
+                elif p.returncode == -signal.SIGKILL:
                     report.faults[
                         "SIGKILL at " + (point if attempt == 0 else "a random moment")
                     ] += 1
@@ -128,6 +150,40 @@ def run_kill_chaos(
                         report.failures.append(f"kill trial {trial}: final model differs")
                     break
     return report
+
+
+def _lease_generation(store: str) -> int:
+    """The newest lease generation of a local store (0: none yet)."""
+    import os
+
+    if not os.path.exists(store):
+        return 0
+    holder = Store.open(store, create=False).lease_holder()
+    return int(holder["generation"]) if holder is not None else 0
+
+
+def _unclean_preemption(store: str, generation: int, returncode: int, err: str) -> str | None:
+    """What a SIGTERMed run left wrong, or None: a lease it took still held, or an exit
+    143 whose named step is not the newest version's."""
+    import os
+    import re
+    import signal
+
+    if not os.path.exists(store):
+        return None
+    opened = Store.open(store, create=False)
+    holder = opened.lease_holder()
+    if holder is not None and int(holder["generation"]) > generation and not holder["released"]:
+        return f"SIGTERM to the process group (exit {returncode}) left its lease held: {err}"
+    named = re.search(r"after step (\d+);", err)
+    if returncode != -signal.SIGTERM and named is not None:
+        latest = opened.latest()
+        if latest is None or latest.step != int(named.group(1)):
+            got = latest.step if latest is not None else None
+            return f"SIGTERM to the process group: {err.strip()} but the newest step is {got}"
+    if returncode != -signal.SIGTERM and named is None and "before a checkpoint" not in err:
+        return f"SIGTERM to the process group ended with {err.strip()!r}"
+    return None
 
 
 #: Where a takeover trial freezes writer A: mid-step, mid-checkpoint, and inside the

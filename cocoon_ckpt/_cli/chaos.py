@@ -62,7 +62,9 @@ def add_parser(sub: Subparsers) -> None:
         type=int,
         default=10,
         help="also run this many trials as real subprocesses SIGKILLed at a crash point "
-        "and at random moments, on local disk (default 10; each takes seconds)",
+        "and at random moments, and sent SIGTERM to their process group once (a scheduler's "
+        "preemption: exit 143 with the step committed, the lease released), on local disk "
+        "(default 10; each takes seconds)",
     )
     p.add_argument(
         "--takeover-trials",
