@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 from typing import TYPE_CHECKING, Any
@@ -13,7 +12,7 @@ from cocoon_ckpt._cli.train_config import (
     add_target_flags,
     field_default,
     flag_default,
-    train_config,
+    train_job,
 )
 from cocoon_ckpt.dp.mechanism import MechanismKind
 from cocoon_ckpt.errors import ConfigError
@@ -280,15 +279,11 @@ def run(args: argparse.Namespace) -> int:
             "set them in the file's 'options'"
         )
     options = job_options(args.job_option)
-    config, store = train_config(args)
-    if options:
-        config = dataclasses.replace(config, options=options)
     # A job the user named (--job, or the file of --config) is looked for in the current
     # directory first, as `python -m` would; the console script has no cwd on sys.path.
-    # Resolved here, so a missing module or function stops the command before any write.
-    from cocoon_ckpt.train.parts import resolve
-
-    builder = None if config.job.startswith("example:") else resolve(config.job, search_cwd=True)
+    # A --job is built here once: its objects say what its optimizer, lr and dataset size
+    # are (train_config.train_job).
+    config, store, builder = train_job(args, options)
     # under torchrun every rank runs this; rank 0 alone shows progress and the result
     follower = os.environ.get("RANK", "0") != "0"
     progress = None

@@ -11,12 +11,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cocoon_ckpt._cli.args import storage_options
 from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.tiers.config import TierConfig
 from cocoon_ckpt.train.config import ACCOUNTANTS, DPConfig, JobConfig, section_from_record
+
+if TYPE_CHECKING:
+    from cocoon_ckpt.train.parts import Builder, JobParts
 from state.canonical_json import load_bounded
 
 __all__ = [
@@ -186,10 +189,26 @@ def _harmless(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def train_config(args: argparse.Namespace) -> tuple[JobConfig, str]:
-    """The job and the store URL a parsed `train` command line names.
+    """The job and the store URL a parsed `train` command line names (`train_job`
+    without options, and without building a user's job).
+    """
+    config, store, _ = train_job(args, {}, build=False)
+    return config, store
 
-    A target epsilon is calibrated here, once (a resume takes the store's sigma), so
-    the config returned has the sigma that will run.
+
+def train_job(
+    args: argparse.Namespace, options: dict[str, Any], *, build: bool = True
+) -> tuple[JobConfig, str, Builder | None]:
+    """The job, the store URL and the builder a parsed `train` command line names, with
+    `options` (--job-option) in the config.
+
+    A job of the user's (`--job`) is built here, once: its optimizer's class and
+    learning rate and its dataset's length are the job's `optimizer`, `lr` and
+    `dp.dataset_size` unless --optimizer, --lr or --dataset-size is given (an override,
+    then checked against the objects as for any job). The builder returned hands those
+    built parts on, so the job is not built twice. A target epsilon is calibrated here,
+    once (a resume takes the store's sigma), so the config returned has the sigma that
+    will run.
 
     Raises:
         ConfigError: --store is blank, --config is combined with job flags, both
@@ -215,8 +234,11 @@ def train_config(args: argparse.Namespace) -> tuple[JobConfig, str]:
             config = JobConfig.from_record(rec)
         except (TypeError, KeyError, ValueError) as exc:
             raise ConfigError(f"--config {args.config}: {exc}") from None
+        if options:
+            config = dataclasses.replace(config, options=options)
         name = config.job.partition(":")[2] if config.job.startswith("example:") else "job"
-        return _calibrated(config, args.store or f"runs/{name}.zarr", args)
+        store = args.store or f"runs/{name}.zarr"
+        return (*_calibrated(config, store, args), _user_builder(config))
     # flags not given are left out, so the dataclasses' own defaults apply
     chosen = _given(args, JOB_FLAGS | TARGET_FLAGS)
     if "target_epsilon" in chosen and "noise_multiplier" in chosen:
@@ -228,6 +250,8 @@ def train_config(args: argparse.Namespace) -> tuple[JobConfig, str]:
         k: v
         for k, v in EXAMPLE_DEFAULTS.items()
         if not (k == "noise_multiplier" and "target_epsilon" in chosen)
+        # a user's job sizes its own dataset: it is read from the job when built
+        and not (k == "dataset_size" and args.job is not None and build)
     }
     values = example_defaults | chosen
     fields = JOB_FLAGS | TARGET_FLAGS
@@ -236,16 +260,90 @@ def train_config(args: argparse.Namespace) -> tuple[JobConfig, str]:
     }
     job = {fields[k]: v for k, v in values.items() if not fields[k].startswith("dp.")}
     example = args.example or ("mlp" if args.job is None else None)
+    builder = None
+    if example is None and build:
+        builder = _user_builder_of(args.job)
+        dp, job, builder = _from_job(args.job, builder, dp, job, options, args)
     config = JobConfig(
         job=f"example:{example}" if example else args.job,
         dp=DPConfig(**dp),
         log_level=args.log_level,
         tiers=_tiers(args),
         embedding=_embedding(args),
+        options=dict(options),
         **job,
         **_harmless(args),
     )
-    return _calibrated(config, args.store or f"runs/{example or 'job'}.zarr", args)
+    store = args.store or f"runs/{example or 'job'}.zarr"
+    return (*_calibrated(config, store, args), builder)
+
+
+def _user_builder_of(job: str) -> Builder:
+    """The builder `--job` names, found beside the user first (`python -m` would): a
+    missing module or function stops the command before anything is written."""
+    from cocoon_ckpt.train.parts import resolve
+
+    return resolve(job, search_cwd=True)
+
+
+def _user_builder(config: JobConfig) -> Builder | None:
+    """The builder of a --config file's job of the user's (None: a built-in example)."""
+    return None if config.job.startswith("example:") else _user_builder_of(config.job)
+
+
+def _from_job(
+    name: str,
+    builder: Builder,
+    dp: dict[str, Any],
+    job: dict[str, Any],
+    options: dict[str, Any],
+    args: argparse.Namespace,
+) -> tuple[dict[str, Any], dict[str, Any], Builder]:
+    """The job's own optimizer, lr and dataset size where no flag gives them: the job is
+    built with the config the flags give (every other field as it will run), and what
+    its objects say fills the rest. Returns the dp and job fields, and a builder that
+    hands the built parts on with the random state the build left (the job, not its
+    probe, decides every later draw)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from cocoon_ckpt.train.build import job_parts
+    from cocoon_ckpt.train.identity import optimizer_description
+
+    # the dataset's length is what this build reads; the probe's DPConfig needs one
+    probe_dp = {"dataset_size": EXAMPLE_DEFAULTS["dataset_size"], **dp}
+    probe = JobConfig(
+        job=name,
+        dp=DPConfig(**probe_dp),
+        log_level=args.log_level,
+        tiers=_tiers(args),
+        embedding=_embedding(args),
+        options=dict(options),
+        **job,
+        **_harmless(args),
+    )
+    parts = job_parts(probe, builder)
+    states = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    optimizer, lr = optimizer_description(parts.optimizer, parts.scheduler)
+    job = {"optimizer": optimizer, "lr": lr, **job}
+    if "dataset_size" not in dp:
+        try:
+            dp = {**dp, "dataset_size": len(parts.dataset)}  # type: ignore[arg-type]
+        except TypeError:
+            raise ConfigError(
+                f"job {name!r}: its dataset has no len(), so the dataset size N the "
+                "accounting needs cannot be read from it; pass --dataset-size N"
+            ) from None
+
+    def built(_config: JobConfig) -> JobParts:
+        torch.set_rng_state(states[0])
+        np.random.set_state(states[1])
+        random.setstate(states[2])
+        return parts
+
+    return dp, job, built
 
 
 def _calibrated(config: JobConfig, store: str, args: argparse.Namespace) -> tuple[JobConfig, str]:

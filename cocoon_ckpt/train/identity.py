@@ -38,6 +38,7 @@ __all__ = [
     "dataset_digest",
     "identity_differences",
     "job_identity",
+    "optimizer_description",
 ]
 
 #: Examples hashed for the dataset's content digest (a seeded sample: cheap for any N).
@@ -182,6 +183,19 @@ def identity_differences(
     ]
 
 
+def optimizer_description(optimizer: torch.optim.Optimizer, scheduler: Any) -> tuple[str, float]:
+    """What `JobConfig.optimizer` and `lr` say of a built optimizer: torch.optim's class
+    name in lower case (`custom` for a class of the job's own, recorded in the identity)
+    and the first group's learning rate as built (before any scheduler step)."""
+    real = type(optimizer).__name__.lower()
+    if type(optimizer) is not getattr(torch.optim, type(optimizer).__name__, None):
+        real = "custom"  # a class of the job's own: recorded in the identity
+    group = optimizer.param_groups[0]
+    # a scheduler moves lr at once (LinearLR's warm-up); initial_lr is what was built
+    real_lr = group.get("initial_lr", group["lr"]) if scheduler is not None else group["lr"]
+    return real, float(real_lr)
+
+
 def check_config_optimizer(
     optimizer: torch.optim.Optimizer, name: str, lr: float, scheduler: Any
 ) -> None:
@@ -192,13 +206,7 @@ def check_config_optimizer(
         ConfigError: the class or the first group's learning rate (before any scheduler
             step) differs, naming both and the fix.
     """
-    real = type(optimizer).__name__.lower()
-    if type(optimizer) is not getattr(torch.optim, type(optimizer).__name__, None):
-        real = "custom"  # a class of the job's own: recorded in the identity
-    group = optimizer.param_groups[0]
-    # a scheduler moves lr at once (LinearLR's warm-up); initial_lr is what was built
-    real_lr = group.get("initial_lr", group["lr"]) if scheduler is not None else group["lr"]
-    real_lr = float(real_lr)
+    real, real_lr = optimizer_description(optimizer, scheduler)
     if real != name or real_lr != lr:
         raise ConfigError(
             f"the job's optimizer is {type(optimizer).__name__} with lr={real_lr:g}, but "
