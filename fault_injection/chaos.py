@@ -36,15 +36,19 @@ def draw_schedule(
 ) -> list[tuple[str, int | None]]:
     """n (crash point, step) pairs at steps where each point really fires: noise and
     trainer points at any step, checkpoint points at checkpoint steps, retention at its
-    next deletion (no step). Sorted by step, so an earlier crash does not skip a later."""
+    next deletion (no step), the precompute's at its first tile (no step; only for a job
+    that may coalesce its embedding tables). Sorted by step, so an earlier crash does not skip a later."""
     names = sorted(points or known_points())
+    emb = config.embedding
+    if emb is None or not emb.coalescing_allowed:  # no precompute: its points never fire
+        names = [p for p in names if not p.startswith("precompute.")]
     ckpt_steps = checkpoint_steps(config.dp.steps, config.checkpoint_every)
     steps = config.dp.steps
     out: list[tuple[str, int | None]] = []
     for _ in range(n):
         name = rng.choice(names)
-        if name.startswith("retention."):
-            out.append((name, None))
+        if name.startswith(("retention.", "precompute.")):
+            out.append((name, None))  # the next deletion; the precompute's first tile
         elif name.startswith("checkpoint."):
             out.append((name, rng.choice(ckpt_steps)))
         else:

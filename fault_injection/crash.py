@@ -36,6 +36,7 @@ class CrashPointHit(BaseException):
 #: The modules that declare crash points beyond `state`'s own (at import).
 _DECLARING_MODULES = (
     "cocoon_ckpt.dp.noise",
+    "cocoon_ckpt.embedding.precompute",
     "cocoon_ckpt.train.trainer",
     "cocoon_ckpt.train.checkpoint",
 )

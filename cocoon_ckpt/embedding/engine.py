@@ -21,8 +21,10 @@ from cocoon_ckpt.embedding.config import TableMode, TableSpec
 from cocoon_ckpt.embedding.csc import CoalescedCSC
 from cocoon_ckpt.embedding.lazy import LazyNoise
 from cocoon_ckpt.embedding.one_thread import one_thread
-from cocoon_ckpt.embedding.precompute import precompute_csc, table_key, table_noise
+from cocoon_ckpt.embedding.precompute import TileParts, precompute_csc, table_key, table_noise
 from cocoon_ckpt.embedding.schedule import AccessSchedule
+from cocoon_ckpt.embedding.stored_tiles import tile_digest
+from cocoon_ckpt.keys import key_id
 from cocoon_ckpt.tiers.build import build_history
 from cocoon_ckpt.tiers.config import TierConfig
 
@@ -108,6 +110,7 @@ class TableEngine:
         self.tile_rows = tile_rows
         self.order = schedule.noise_order()
         self.noise = table_noise(key, spec.param, rows, dim, std, dtype, rng)
+        self._key_id = key_id(key)
         sub = table_key(key, spec.param)
         width = {TableMode.DENSE: rows, TableMode.COALESCED: plan.hot, TableMode.LAZY: 0}
         self.online_rows = width[plan.mode]
@@ -136,8 +139,48 @@ class TableEngine:
     def needs_precompute(self) -> bool:
         return self.plan.mode is TableMode.COALESCED and self.csc is None
 
-    def precompute(self, progress: Any = None) -> CoalescedCSC:
-        """Build the CSC of the cold rows (slow: the whole run's noise for them)."""
+    def tile_digest(self, job_fingerprint: str | None) -> str:
+        """A digest of everything that determines this table's precompute tiles: the
+        key's id, the job's fingerprint, the plan (mode, H, threshold), the shape,
+        dtype, noise scale and generator, the mechanism's coefficients and each step's
+        mixing vector and scale, the per-step rates, the schedule, the noise order and
+        the tiling. Tiles kept under another digest are never used."""
+        mech = self.mechanism
+        n = self.schedule.steps
+        slots = mech.bands - 1
+        mixes = np.zeros((n, slots), dtype=np.float64)
+        for t in range(n if slots else 0):
+            mixes[t] = mech.mixing_vector(t)
+        fields = {
+            "key_id": self._key_id,
+            "job": job_fingerprint,
+            "param": self.spec.param,
+            "plan": {k: self.plan.to_record()[k] for k in ("mode", "hot", "threshold")},
+            "rows": self.rows,
+            "dim": self.dim,
+            "dtype": str(self.noise.np_dtype),
+            "std": repr(self.noise.std),
+            "rng": self.noise.rng.value,
+            "bands": mech.bands,
+            "steps": n,
+            "tile_rows": self.tile_rows,
+        }
+        return tile_digest(
+            fields,
+            {
+                "coefficients": np.asarray(mech.coefficients, dtype=np.float64),
+                "mixes": mixes,
+                "scales": np.array([mech.noise_scale(t) for t in range(n)], dtype=np.float64),
+                "factors": self.factors[:n],
+                "order": self.order,
+                "row_ptr": self.schedule.row_ptr,
+                "row_steps": self.schedule.row_steps,
+            },
+        )
+
+    def precompute(self, progress: Any = None, parts: TileParts | None = None) -> CoalescedCSC:
+        """Build the CSC of the cold rows (slow: the whole run's noise for them); with
+        `parts`, tiles kept there are loaded and each computed one is kept."""
         t0 = time.perf_counter()
         self.csc = precompute_csc(
             self.schedule,
@@ -149,6 +192,7 @@ class TableEngine:
             self.factors,
             tile_rows=self.tile_rows,
             progress=progress,
+            parts=parts,
         )
         self.precompute_seconds = time.perf_counter() - t0
         return self.csc

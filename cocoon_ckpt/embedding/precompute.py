@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -37,8 +37,13 @@ from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.dp.noise import BLOCK, KeyedNoise
 from cocoon_ckpt.embedding.csc import CoalescedCSC
 from cocoon_ckpt.embedding.schedule import AccessSchedule
+from state import hooks
 
 __all__ = [
+    "AFTER_TILE",
+    "TileEntries",
+    "TileLayout",
+    "TileParts",
     "default_threads",
     "default_tile_rows",
     "precompute_csc",
@@ -52,6 +57,42 @@ TILE_HISTORY_BYTES = 8 << 20
 #: A step chunk's fresh noise (its steps x the tile's width) aims at this many bytes:
 #: the tile kernel then reads the ring from memory once per chunk, not once per step.
 STEP_CHUNK_BYTES = 16 << 20
+
+AFTER_TILE = hooks.declare(
+    "precompute.after_tile",
+    "a precompute tile's entries computed (and, with a store, its part and done-marker "
+    "durable); step = tiles this call has computed so far, tile = its index",
+)
+
+#: One tile's entries: (columns, rows, values) = ((E,) int64, (E,) int64, (E, dim)).
+TileEntries = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+@dataclass(frozen=True, slots=True)
+class TileLayout:
+    """What a tile's entries must look like, known before any is read: `entries` of
+    them (one per read of its rows, and a tail per row), `dim` wide, in `dtype`."""
+
+    entries: int
+    dim: int
+    dtype: np.dtype[Any]
+
+
+class TileParts(Protocol):
+    """Where a precompute keeps its finished tiles (`embedding.stored_tiles` keeps them
+    in the store), so that a precompute stopped halfway resumes from them.
+
+    Tile `index` is the index-th of the precompute's tiles (in slot order) and `slots`
+    its slots; the entries are those `precompute_csc` computes for it, bit for bit.
+    """
+
+    def load(self, index: int, slots: np.ndarray, like: TileLayout) -> TileEntries | None:
+        """The stored entries of tile `index`, or None: never stored, not trusted, or
+        not of the layout `like` this tile's entries have (then it is computed again)."""
+
+    def save(self, index: int, slots: np.ndarray, entries: TileEntries) -> None:
+        """Keep tile `index`'s entries durably (called in the caller's thread, once per
+        computed tile, in the order tiles finish)."""
 
 
 def table_key(key: bytes, param: str) -> bytes:
@@ -120,13 +161,17 @@ def precompute_csc(
     tiles: Sequence[np.ndarray] | None = None,
     progress: Callable[[int], None] | None = None,
     threads: int | None = None,
+    parts: TileParts | None = None,
 ) -> CoalescedCSC:
     """The coalesced entries of every cold row of one table.
 
     Tiles are independent (each runs its own rows' recursion over all n steps), so
     `threads` of them run at once; every entry is the same bits for any thread count,
     because an entry's arithmetic never involves another tile and the CSC is sorted by
-    (column, row) whatever order the tiles finish in.
+    (column, row) whatever order the tiles finish in. With `parts`, a tile already kept
+    there is loaded instead of computed, and each computed tile is kept as it finishes:
+    a precompute stopped halfway loses only the tiles in flight, and the CSC is the
+    same bits (the parts are the same entries, assembled in tile order).
 
     Args:
         schedule: the table's reads.
@@ -138,9 +183,11 @@ def precompute_csc(
         factors: (n,) float64, lr_s / B of every step s.
         tile_rows: slots per tile (default: `default_tile_rows`).
         tiles: explicit tiles (arrays of slots >= hot, each slot once), any order.
-        progress: called (in the caller's thread) with the slots finished after each tile.
+        progress: called (in the caller's thread) with the slots finished after each tile
+            (loaded ones first).
         threads: tiles computed at once, each on one thread (None: `default_threads()`;
             1: in the caller's thread, the fresh noise on the caller's torch threads).
+        parts: where finished tiles are kept and found (None: nowhere).
 
     Returns:
         The CSC, columns 0..n-1 and the tails in column n.
@@ -166,36 +213,72 @@ def precompute_csc(
     np_dtype = noise.np_dtype
     consts = _constants(mechanism, n, factors, np_dtype)
 
-    def run(tile: np.ndarray) -> _Entries:
+    def run(tile: np.ndarray) -> TileEntries:
         return _tile_entries(tile, schedule, order, dim, noise, consts)
 
-    parts: list[_Entries] = []
-    if workers == 1 or len(todo) < 2:
-        for tile in todo:
-            parts.append(run(tile))
-            if progress is not None:
+    done: list[TileEntries | None] = [None] * len(todo)
+    if parts is not None:
+        reads = np.diff(schedule.row_ptr)
+        for i, tile in enumerate(todo):
+            like = TileLayout(int(reads[order[tile]].sum()) + tile.size, dim, np_dtype)
+            done[i] = parts.load(i, tile, like)
+            if done[i] is not None and progress is not None:
                 progress(tile.size)
+    pending = [i for i, d in enumerate(done) if d is None]
+    computed = [0]
+
+    def finish(i: int, entries: TileEntries) -> None:
+        if parts is not None:
+            parts.save(i, todo[i], entries)
+        done[i] = entries
+        computed[0] += 1
+        hooks.point(AFTER_TILE, step=computed[0], tile=i)
+        if progress is not None:
+            progress(todo[i].size)
+
+    if workers == 1 or len(pending) < 2:
+        for i in pending:
+            finish(i, run(todo[i]))
     else:
-        with ThreadPoolExecutor(
-            min(workers, len(todo)),
-            thread_name_prefix="cocoon-pre",
-            initializer=_single_threaded,
-        ) as pool:
-            # map yields in tile order and re-raises a worker's error here
-            for tile, part in zip(todo, pool.map(run, todo), strict=True):
-                parts.append(part)
-                if progress is not None:
-                    progress(tile.size)
-    if not parts:
+        _run_pool(min(workers, len(pending)), pending, lambda i: run(todo[i]), finish)
+    entries = [d for d in done if d is not None]
+    if not entries:
         return CoalescedCSC(
             np.zeros(n + 2, np.int64), np.zeros(0, np.int64), np.zeros((0, dim), np_dtype)
         )
     return CoalescedCSC.from_entries(
         n,
-        np.concatenate([p[0] for p in parts]),
-        np.concatenate([p[1] for p in parts]),
-        np.concatenate([p[2] for p in parts]),
+        np.concatenate([p[0] for p in entries]),
+        np.concatenate([p[1] for p in entries]),
+        np.concatenate([p[2] for p in entries]),
     )
+
+
+def _run_pool(
+    workers: int,
+    pending: list[int],
+    run: Callable[[int], TileEntries],
+    finish: Callable[[int, TileEntries], None],
+) -> None:
+    """Tiles `pending` on `workers` threads, each finished one handed to `finish` in the
+    caller's thread as soon as it is done (not in tile order: a tile kept as it ends is
+    not lost waiting for a slower one before it). An error in a worker or in `finish`
+    (a fenced writer, a crash point) cancels the tiles not yet started and is raised
+    once the running ones end."""
+    with ThreadPoolExecutor(
+        workers, thread_name_prefix="cocoon-pre", initializer=_single_threaded
+    ) as pool:
+        futures: dict[Future[TileEntries], int] = {pool.submit(run, i): i for i in pending}
+        try:
+            left = set(futures)
+            while left:
+                finished, left = wait(left, return_when=FIRST_COMPLETED)
+                for fut in sorted(finished, key=futures.__getitem__):
+                    finish(futures[fut], fut.result())
+        except BaseException:
+            for fut in futures:
+                fut.cancel()
+            raise
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,10 +308,6 @@ def _constants(mechanism: BandMF, n: int, factors: np.ndarray, dtype: np.dtype[A
     )
 
 
-#: One tile's entries: (columns, rows, values), concatenated by the caller.
-_Entries = tuple[np.ndarray, np.ndarray, np.ndarray]
-
-
 def _tile_entries(
     tile: np.ndarray,
     schedule: AccessSchedule,
@@ -236,7 +315,7 @@ def _tile_entries(
     dim: int,
     noise: KeyedNoise,
     consts: _Constants,
-) -> _Entries:
+) -> TileEntries:
     """The entries of one tile's rows: its recursion over all n steps, on its own, in
     step chunks whose fresh noise fits `STEP_CHUNK_BYTES`."""
     from cocoon_ckpt.embedding._tile_kernel import CHUNK_COLUMNS, tile_steps

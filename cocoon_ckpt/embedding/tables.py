@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -16,9 +17,15 @@ from cocoon_ckpt.embedding.engine import TableEngine, TablePlan
 from cocoon_ckpt.embedding.profile import choose_threshold, measure_unit_costs
 from cocoon_ckpt.embedding.schedule import AccessSchedule, table_schedule
 from cocoon_ckpt.embedding.sparse import check_tables
+from cocoon_ckpt.embedding.stored_tiles import StoredTiles, drop_tile_parts
 from cocoon_ckpt.tiers.config import TierConfig
 
+if TYPE_CHECKING:
+    from state import Manifest, Store
+
 __all__ = ["EmbeddingNoise"]
+
+log = logging.getLogger("cocoon_ckpt.embedding.precompute")
 
 
 def _check_sgd(optimizer: torch.optim.Optimizer, param: str, mode: TableMode) -> None:
@@ -147,14 +154,44 @@ class EmbeddingNoise:
         return TablePlan(TableMode.COALESCED, hot, h, rec)
 
     # the run ---------------------------------------------------------------------
-    def prepare(self, progress: Callable[[int], None] | None = None) -> float:
-        """Precompute every coalesced table that has no CSC yet; returns seconds."""
+    def prepare(
+        self,
+        progress: Callable[[int], None] | None = None,
+        *,
+        store: Store | None = None,
+        job_fingerprint: str | None = None,
+    ) -> float:
+        """Precompute every coalesced table that has no CSC yet; returns seconds.
+
+        Args:
+            progress: called with the slots finished after each tile.
+            store: keep each finished tile in this store (its writer lease held) and
+                resume from the tiles a stopped precompute kept there
+                (`embedding.stored_tiles`); None: in memory only.
+            job_fingerprint: the job's fingerprint, part of the tiles' digest.
+        """
         total = 0.0
         for e in self.engines:
             if e.needs_precompute:
-                e.precompute(progress)
+                parts = None
+                if store is not None:
+                    parts = StoredTiles(store, e.spec.param, e.tile_digest(job_fingerprint))
+                e.precompute(progress, parts)
                 total += e.precompute_seconds
+                if parts is not None:
+                    log.info(
+                        "table %s: precompute tiles loaded from the store: %d, computed: %d",
+                        e.spec.param,
+                        parts.loaded,
+                        parts.computed,
+                    )
         return total
+
+    def drop_tile_parts(self, store: Store, manifest: Manifest | None) -> bool:
+        """Delete the precompute's tile parts once `manifest` (committed) holds every
+        coalesced table's CSC; whether they are gone (`stored_tiles.drop_tile_parts`)."""
+        coalesced = [e.spec.param for e in self.engines if e.plan.mode is TableMode.COALESCED]
+        return drop_tile_parts(store, manifest, coalesced)
 
     @property
     def prepared(self) -> bool:

@@ -158,8 +158,8 @@ def open_job(
             log.info(
                 "resuming %s from version %d (step %d)", store.url, latest.version, latest.step
             )
-        _precompute(trainer, on_precompute)
         records = job_records(config, trainer, key, key_file)
+        _precompute(trainer, store if coordinator else None, records, on_precompute)
         ckpt = Checkpointer(store, async_write=config.async_checkpoint, keep_last=config.keep_last)
         ckpt.set_parent(latest.manifest if latest else None)
         session = JobSession(config, store, trainer, ckpt, records, latest, preempt, coordinator)
@@ -173,8 +173,14 @@ def _release(leased: list[Store]) -> None:
         store.release_lease()
 
 
-def _precompute(trainer: DPTrainer, on_precompute: Callable[[int, int], None] | None) -> None:
-    """Precompute coalesced embedding noise before step 0 (a resume loaded it)."""
+def _precompute(
+    trainer: DPTrainer,
+    store: Store | None,
+    records: JobRecords,
+    on_precompute: Callable[[int, int], None] | None,
+) -> None:
+    """Precompute coalesced embedding noise before step 0 (a resume loaded it), each
+    finished tile kept in `store` (the writer's) so a stopped precompute resumes."""
     emb = trainer.embedding
     if emb is None or emb.prepared:
         return
@@ -186,7 +192,7 @@ def _precompute(trainer: DPTrainer, on_precompute: Callable[[int, int], None] | 
         if on_precompute is not None:
             on_precompute(done[0], total)
 
-    secs = emb.prepare(progress)
+    secs = emb.prepare(progress, store=store, job_fingerprint=records["fingerprint"])
     log.info("precomputed coalesced embedding noise in %.2f s", secs)
 
 
@@ -222,6 +228,9 @@ class JobSession:
         self._active: Generator[StepResult, None, None] | None = None
         self._closed = False
         self._stopped = False  # a PreemptedError was raised for the noted signal
+        # the precompute's tile parts, until a committed version holds the CSC
+        self._tile_parts = coordinator and trainer.embedding is not None
+        self._drop_tile_parts()
         self._defer = contextlib.ExitStack()
         if ckpt.async_write:
             self._defer.enter_context(writer_handoff())  # until close
@@ -366,6 +375,14 @@ class JobSession:
         }
         self._ckpt.save(self.trainer, records)
         self._saved = step
+        self._drop_tile_parts()
+
+    def _drop_tile_parts(self) -> None:
+        """Delete the precompute's tile parts once a committed version holds the CSC
+        (with async checkpoints: seen at the next save, or at close)."""
+        emb = self.trainer.embedding
+        if self._tile_parts and emb is not None:
+            self._tile_parts = not emb.drop_tile_parts(self.store, self._ckpt.last)
 
     def _stop_if_preempted(self) -> None:
         requested = self._preempt.requested if self._preempt is not None else None
@@ -401,6 +418,7 @@ class JobSession:
                     self._save()
             finally:
                 self._ckpt.close()  # re-raises a failed background write
+            self._drop_tile_parts()
         finally:
             try:
                 self.trainer.close()  # frees the history's tiers (a far worker)

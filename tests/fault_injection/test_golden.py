@@ -34,9 +34,14 @@ CASES = [
 # there and checks the previous version stays newest and a restart resumes exactly.
 MULTI_PROCESS_ONLY = {"checkpoint.shard_done"}
 
+# Fires only in a coalesced embedding job's precompute (this job has no tables);
+# tests/cocoon_ckpt/test_precompute_resume.py crashes there, in-process and SIGKILLed.
+PRECOMPUTE_ONLY = {"precompute.after_tile"}
+
 
 def test_cases_cover_every_known_point() -> None:
-    assert {c[0] for c in CASES} | MULTI_PROCESS_ONLY == set(hooks.KNOWN_POINTS)
+    covered = {c[0] for c in CASES} | MULTI_PROCESS_ONLY | PRECOMPUTE_ONLY
+    assert covered == set(hooks.KNOWN_POINTS)
 
 
 @pytest.mark.parametrize(("point", "step", "newest"), CASES)

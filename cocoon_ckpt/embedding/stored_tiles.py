@@ -1,0 +1,245 @@
+"""The precompute's finished tiles, kept in the store as it goes, so a precompute
+stopped by a crash, a preemption or a lost node resumes instead of starting over.
+
+Each computed tile's entries are written as two write-once shared arrays (crc32c per
+chunk, fsynced once per tile; (column, row) pairs and values) and then a write-once
+done-marker naming their checksums:
+
+    shared/precompute/<param>/<digest>/tile-<i>/{index,values}
+    shared/precompute/<param>/<digest>/tile-<i>.done
+
+`digest` covers everything that determines a tile's entries (`tile_digest`): the key's
+id, the job's fingerprint, the table's plan and shape, the mechanism, the learning
+rates, the schedule and the tiling. A resume with anything else finds no tiles of its
+own and computes them all. A tile is trusted only when its marker is whole (its own
+sha256), names this digest, tile and slots, and every array reads back with the
+marker's checksum; anything else is logged, deleted and computed again. Writes happen
+under the writer lease, checked before each tile: a writer that was taken over stops.
+
+The parts are the precompute's scratch, not the CSC: the first version writes the
+assembled CSC (`CoalescedCSC`, as before) and references it, and once a committed
+version does, `drop_tile_parts` deletes them. Retention never deletes anything under
+shared/, so the parts of a precompute in progress are safe from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import Any
+
+import numpy as np
+
+from cocoon_ckpt.embedding.precompute import TileEntries, TileLayout
+from cocoon_ckpt.layout import emb_name
+from state import ArrayMeta, FencedError, Manifest, Store
+from state.arrays import ensure_groups, read_array, write_array, written_meta
+from state.canonical_json import load_bounded
+from state.paths import SHARED, shared_path
+
+__all__ = ["PRECOMPUTE", "StoredTiles", "drop_tile_parts", "tile_digest"]
+
+log = logging.getLogger("cocoon_ckpt.embedding.precompute")
+
+#: Under shared/: every table's precompute parts.
+PRECOMPUTE = "precompute"
+
+#: A tile's arrays: (E, 2) int64 (column, row) of each entry, and (E, dim) values.
+_ARRAYS = ("index", "values")
+_MARKER = "cocoon-ckpt precompute tile"
+
+#: A done-marker is a few hundred bytes; a larger file there is not read (I7).
+_MARKER_MAX_BYTES = 64 << 10
+
+
+def tile_digest(fields: dict[str, Any], arrays: dict[str, np.ndarray]) -> str:
+    """sha256 (hex, 32 characters) over `fields` (canonical JSON) and the bytes, dtype
+    and shape of each of `arrays`, in name order."""
+    h = hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
+    for name in sorted(arrays):
+        arr = np.ascontiguousarray(arrays[name])
+        h.update(f"|{name}:{arr.dtype.str}:{arr.shape}|".encode())
+        h.update(arr.data.cast("B"))
+    return h.hexdigest()[:32]
+
+
+class StoredTiles:
+    """`TileParts` of one table kept in `store` (which must hold the writer lease).
+
+    Args:
+        store: the job's store.
+        param: the table's parameter name.
+        digest: `tile_digest` of everything that determines the table's entries.
+
+    Attributes:
+        loaded, computed: tiles found in the store and tiles written by this run.
+    """
+
+    def __init__(self, store: Store, param: str, digest: str) -> None:
+        self.store = store
+        self.param = param
+        self.digest = digest
+        self.folder = f"{PRECOMPUTE}/{param}/{digest}"
+        self.loaded = 0
+        self.computed = 0
+        self._groups = {SHARED}  # zarr group metadata this writer already wrote
+
+    def _tile(self, index: int) -> str:
+        return f"{self.folder}/tile-{index:06d}"
+
+    def _marker_path(self, index: int) -> str:
+        return shared_path(f"{self._tile(index)}.done")
+
+    def load(self, index: int, slots: np.ndarray, like: TileLayout) -> TileEntries | None:
+        """Tile `index`'s entries if its marker and arrays verify and have the layout
+        `like` (None otherwise)."""
+        backend = self.store.backend
+        marker = self._marker_path(index)
+        try:
+            raw = backend.read_bytes(marker)
+        except FileNotFoundError:
+            return None
+        try:
+            entries = self._verified(index, slots, like, raw)
+        except (ValueError, KeyError, TypeError, OSError) as exc:
+            log.warning(
+                "table %s: precompute tile %d in %s is not trusted (%s); computing it again",
+                self.param,
+                index,
+                self.store.url,
+                exc,
+            )
+            self._discard(index)
+            return None
+        self.loaded += 1
+        return entries
+
+    def _verified(self, index: int, slots: np.ndarray, like: TileLayout, raw: bytes) -> TileEntries:
+        if len(raw) > _MARKER_MAX_BYTES:
+            raise ValueError(f"its done-marker is {len(raw)} bytes, more than any marker")
+        rec = load_bounded(raw)
+        if not isinstance(rec, dict) or rec.get("kind") != _MARKER:
+            raise ValueError("its done-marker is not one")
+        body = {k: v for k, v in rec.items() if k != "sha256"}
+        if rec.get("sha256") != _sha256(body):
+            raise ValueError("its done-marker fails its sha256")
+        want = {"digest": self.digest, "tile": index, **_span(slots)}
+        got = {k: rec.get(k) for k in want}
+        if got != want:
+            raise ValueError(f"its done-marker is of {got}, this precompute needs {want}")
+        # the layout is checked before anything is allocated: the tile's reads say it
+        n = like.entries
+        shapes = {"index": ((n, 2), np.dtype(np.int64)), "values": ((n, like.dim), like.dtype)}
+        metas = {name: ArrayMeta.from_json({**rec["arrays"][name], "path": ""}) for name in _ARRAYS}
+        for name, (shape, dtype) in shapes.items():
+            meta = metas[name]
+            if meta.shape != shape or np.dtype(meta.dtype) != dtype:
+                raise ValueError(
+                    f"its array {name} is {meta.dtype}{list(meta.shape)}, the tile's entries "
+                    f"are {dtype}{list(shape)}"
+                )
+        pairs, values = (self._array(index, name, metas[name]) for name in _ARRAYS)
+        return np.ascontiguousarray(pairs[:, 0]), np.ascontiguousarray(pairs[:, 1]), values
+
+    def _array(self, index: int, name: str, meta: ArrayMeta) -> np.ndarray:
+        """Array `name` of tile `index`, checked against the marker's checksum. Its path
+        is ours, never the marker's: only the layout and the checksum are read there."""
+        layout = (meta.shape, meta.dtype, meta.chunks or meta.shape)
+
+        def read() -> tuple[np.ndarray, str]:
+            sub = f"{self._tile(index)}/{name}"
+            return read_array(self.store.backend, SHARED, sub, layout, meta.separator)
+
+        arr, checksum = self.store.retry.call(read)
+        if checksum != meta.checksum:
+            raise ValueError(f"array {name} fails its checksum")
+        return arr
+
+    def save(self, index: int, slots: np.ndarray, entries: TileEntries) -> None:
+        """Write tile `index`'s arrays, durable, then its done-marker.
+
+        Raises:
+            FencedError: another writer took the store over (nothing is written).
+        """
+        lease = self.store.lease
+        if lease is None:
+            raise FencedError(
+                f"{self.store.url}: the precompute keeps its tiles only under the writer "
+                "lease; acquire it first"
+            )
+        lease.check()
+        tile = self._tile(index)
+        backend = self.store.backend
+        arrays = {"index": np.column_stack(entries[:2]), "values": entries[2]}
+
+        def write() -> dict[str, ArrayMeta]:
+            # a tile folder without its marker is a crash's (or a failed try's) leftover
+            backend.rm(shared_path(tile), recursive=True)
+            ensure_groups(backend, SHARED, f"{tile}/index", self._groups)
+            metas = {}
+            for name, arr in arrays.items():
+                checksum, chunks = write_array(backend, SHARED, f"{tile}/{name}", arr)
+                metas[name] = written_meta(shared_path(f"{tile}/{name}"), arr, checksum, chunks)
+            # one fsync pass per tile (files, folders, parents), not one per array
+            backend.fsync_tree(shared_path(tile))
+            return metas
+
+        metas = self.store.retry.call(write)
+        body = {
+            "kind": _MARKER,
+            "param": self.param,
+            "digest": self.digest,
+            "tile": index,
+            **_span(slots),
+            "entries": int(entries[0].shape[0]),
+            "arrays": {name: m.to_json() for name, m in metas.items()},
+        }
+        data = json.dumps({**body, "sha256": _sha256(body)}, sort_keys=True).encode()
+        self.store.backend.create_once(self._marker_path(index), data)
+        self.computed += 1
+
+    def _discard(self, index: int) -> None:
+        backend = self.store.backend
+        backend.rm(self._marker_path(index))
+        backend.rm(shared_path(self._tile(index)), recursive=True)
+
+
+def _span(slots: np.ndarray) -> dict[str, Any]:
+    """What a marker says of its tile's slots: count, first, last and a hash of them."""
+    s = np.ascontiguousarray(slots, dtype=np.int64)
+    return {
+        "slots": int(s.size),
+        "first_slot": int(s[0]) if s.size else None,
+        "last_slot": int(s[-1]) if s.size else None,
+        "slots_sha256": hashlib.sha256(s.data.cast("B")).hexdigest(),
+    }
+
+
+def _sha256(body: dict[str, Any]) -> str:
+    return hashlib.sha256(
+        json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
+
+
+def drop_tile_parts(store: Store, manifest: Manifest | None, params: list[str]) -> bool:
+    """Delete every table's precompute parts once `manifest` (a committed version)
+    references the CSC of each of `params` (the coalesced tables): they are then
+    scratch no one reads. Nothing is deleted by a writer that was taken over.
+
+    Returns:
+        Whether the parts are gone (or there were none): False while some table's CSC is
+        not yet in a committed version.
+    """
+    if manifest is None or not all(emb_name(p, "csc/values") in manifest.arrays for p in params):
+        return False
+    lease = store.lease
+    if lease is None or lease.taken_over():
+        return False
+    path = shared_path(PRECOMPUTE)
+    if store.backend.exists(path):
+        store.backend.rm(path, recursive=True)
+        log.info(
+            "%s: precompute parts deleted (version %d holds the CSC)", store.url, manifest.version
+        )
+    return True
