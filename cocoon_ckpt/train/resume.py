@@ -171,11 +171,18 @@ def check_identity(
 ) -> None:
     """Refuse a resume whose real objects (optimizer, scheduler, dataset) differ from
     those the version records, listing each difference (versions written before the
-    identity was recorded are not compared); `allow_device_change` leaves the device
+    identity was recorded are not compared; a sealed, format-4 version without it is
+    refused); `allow_device_change` leaves the device
     type out (the noise is the same on every device; the gradients' last bits are not)."""
     stored = records_of(latest).get("identity")
     if stored is None:
-        return
+        if latest.manifest.sealed:
+            # every version a format-4 writer seals carries it: missing, it was removed,
+            # and the optimizer, scheduler and data checks would be skipped silently
+            raise malformed_version(
+                store, latest, KeyError("the identity record is missing from a sealed version")
+            )
+        return  # written before the identity was recorded
     try:
         diffs = identity_differences(
             stored, trainer.identity, allow_device_change=allow_device_change

@@ -20,6 +20,8 @@ from fault_injection.forgery import forge_manifest
 from state import Store
 from state.paths import manifest_path
 
+from .conftest import reseal
+
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ["train", "--steps", "12", "--checkpoint-every", "4", "--target-epsilon", "4", "--quiet"]
 
@@ -171,3 +173,16 @@ def test_export_refuses_a_forged_step_with_the_key_and_says_so_without_it(
     assert "not authenticated by the job's key" in blind.stderr
     report = json.loads(Path(f"{out}.privacy.json").read_text())
     assert report["source"]["authenticated"] is False
+
+
+def test_a_removed_identity_record_is_refused_not_skipped(crashed: tuple[Path, Path]) -> None:
+    store, key = crashed
+    path = store / manifest_path(2)
+    doc = json.loads(path.read_bytes())
+    del doc["records"]["identity"]
+    path.write_bytes(reseal(doc, key))  # even re-sealed by the key's holder
+    before = _tree(store)
+    run = _cli(*TRAIN, "--store", str(store), "--key-file", str(key))
+    assert run.returncode == 1, run.stderr
+    assert "the identity record is missing from a sealed version" in run.stderr
+    assert _tree(store) == before
