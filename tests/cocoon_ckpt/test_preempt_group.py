@@ -28,6 +28,7 @@ import torch
 
 from cocoon_ckpt import JobConfig, run_job
 from cocoon_ckpt.dp.sampler import CyclicPoissonSampler
+from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.train.data import make_loader
 from state import Store
 
@@ -255,3 +256,12 @@ def test_chaos_sends_the_process_group_sigterm_and_finds_nothing_wrong(
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and report["ok"] and report["failures"] == [], report
     assert report["kill_trials"] == 2 and report["divergences"] == 0, report
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), "5"])
+def test_a_worker_timeout_that_is_not_a_positive_finite_number_is_refused_by_name(
+    bad: object,
+) -> None:
+    parts = real_job.build(_config())
+    with pytest.raises(ConfigError, match=r"JobParts\.worker_timeout_s=.* must be a finite number"):
+        dataclasses.replace(parts, worker_timeout_s=bad)
