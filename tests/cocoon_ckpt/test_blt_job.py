@@ -169,6 +169,10 @@ def test_a_changed_stored_blt_is_refused(gold: tuple[Path, str], tmp_path: Path)
         p.write_bytes(reseal(doc, key))  # behind the MACs: the derived sensitivity
     with pytest.raises(ConfigMismatchError, match="sensitivity"):
         run_job(_config(), str(url), key_file=key)
+    # the audit derives the sensitivity from the stored BLT too
+    report = audit_store(str(url), key_file=key, coordinates=8, seed=0)
+    found = [f.message for f in report.findings if f.check == "accountant"]
+    assert any("the stored BLT's min-sep sensitivity" in m for m in found), report.text()
 
 
 def _float64_job(blt_buffers: int, rng: str = "default") -> tuple[DPTrainer, torch.Tensor]:

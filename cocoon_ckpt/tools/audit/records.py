@@ -6,6 +6,8 @@ version's step, a parent's curve a prefix of its child's)."""
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from typing import Any
 
@@ -189,6 +191,19 @@ def _check_accountant(
                 f"accountant record {k}={acc.get(k)!r}, but the config and step say {val!r}",
                 v,
             )
+    mech = m.records.get("mechanism")
+    if isinstance(mech, dict) and mech.get("kind") == "BLT":
+        sens = _blt_sensitivity(
+            json.dumps(mech, sort_keys=True), int(dp["steps"]), int(dp["bands"])
+        )
+        if acc.get("sensitivity") != sens:
+            report.add(
+                "accountant",
+                f"accountant record sensitivity={acc.get('sensitivity')!r}, but the stored "
+                f"BLT's min-sep sensitivity at {dp['steps']} steps and {dp['bands']} bands is "
+                f"{sens!r}: the BLT or the accountant was changed after the run accounted it",
+                v,
+            )
     if not 0 < m.step <= steps:
         return 0
     stored = acc.get("epsilon")
@@ -215,3 +230,13 @@ def _check_accountant(
             v,
         )
     return 1
+
+
+@functools.lru_cache(maxsize=4)
+def _blt_sensitivity(mechanism: str, steps: int, bands: int) -> float:
+    """The min-sep sensitivity of a stored BLT (its record as canonical JSON: every
+    version of a run stores the same one, computed once)."""
+    from cocoon_ckpt.dp.blt import BLT
+    from cocoon_ckpt.dp.blt_accounting import accounting_sensitivity
+
+    return accounting_sensitivity(BLT.from_state_dict(json.loads(mechanism)), steps, bands)
