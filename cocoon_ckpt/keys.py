@@ -64,8 +64,11 @@ def check_key_file_place(key_file: str, store_url: str) -> None:
     key is gone can neither resume nor be audited. Local paths only: whether an object
     store's URL and a local file overlap is not asked (they cannot).
 
+    A key file that does not exist yet must have a folder to be created in.
+
     Raises:
-        NoiseKeyError: naming the key file, the store and the fix.
+        NoiseKeyError: naming the key file, the store (or its missing folder) and the
+            fix.
     """
     where = os.path.realpath(key_file)
     inside = enclosing_store(where)
@@ -80,6 +83,13 @@ def check_key_file_place(key_file: str, store_url: str) -> None:
             "delete files its manifests do not name (the key with them: the job could then "
             "neither resume nor be audited); nothing was written: keep the key file outside "
             "every store"
+        )
+    folder = os.path.dirname(os.path.abspath(key_file))
+    if not os.path.exists(key_file) and not os.path.isdir(folder):
+        raise NoiseKeyError(
+            f"--key-file {key_file}: its folder {folder} does not exist, so a new job's key "
+            "could not be kept; nothing was written: create the folder (mkdir -p), or name "
+            "a key file in an existing one"
         )
 
 

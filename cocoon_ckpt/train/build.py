@@ -4,13 +4,17 @@ about it (threat model, model shapes)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
+import cocoon_ckpt
 from cocoon_ckpt._state_dict import uncompiled
+from cocoon_ckpt.dp.sampler import CyclicPoissonSampler
 from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.embedding.engine import TablePlan
 from cocoon_ckpt.errors import ConfigError
@@ -23,11 +27,12 @@ from cocoon_ckpt.train.job_data import JobData
 from cocoon_ckpt.train.mechanisms import Mechanism, build_mechanism, mechanism_from_state
 from cocoon_ckpt.train.model_checks import check_model
 from cocoon_ckpt.train.part_state import encode_part_state
-from cocoon_ckpt.train.parts import JobParts, resolve
+from cocoon_ckpt.train.parts import JobParts, check_optimizer_step, resolve
 from cocoon_ckpt.train.trainer import DPTrainer, check_scheduler
 
 __all__ = [
     "build_trainer",
+    "check_first_batch",
     "check_part_states",
     "check_parts",
     "job_parts",
@@ -57,7 +62,9 @@ def build_trainer(
     """
     parts = job_parts(config, builder)
     check_config_optimizer(parts.optimizer, config.optimizer, config.lr, parts.scheduler)
+    check_optimizer_step(parts.optimizer, "JobParts.optimizer")
     check_part_states(parts)
+    check_first_batch(config, parts)
     if dist is not None:
         mechanism = rank0_mechanism(config, dist, mechanism)
     return DPTrainer(
@@ -126,11 +133,63 @@ def check_parts(config: JobConfig, parts: JobParts) -> None:
         ValueError: embedding noise with no table named; a table is not a parameter.
     """
     check_config_optimizer(parts.optimizer, config.optimizer, config.lr, parts.scheduler)
+    check_optimizer_step(parts.optimizer, "JobParts.optimizer")
     check_part_states(parts)
     check_scheduler(parts.scheduler)
     # the trainer's own data and model checks, run without the trainer
-    JobData(_dataset(config, parts), config.dp.dataset_size, needs_tensors=bool(config.embedding))
+    check_first_batch(config, parts)
     check_model(uncompiled(parts.model), parts.loss_fn, config.dp, _embedding(config, parts))
+
+
+def check_first_batch(config: JobConfig, parts: JobParts) -> None:
+    """Draw, collate and check step 0's batch as the trainer will (in this process, with
+    the job's collate_fn), before anything is written: a Dataset whose items collate to
+    anything but a tuple of tensors, inputs then the target, is refused at start and not
+    at step 0 after the store, key and lease were created. The global generators are as
+    before (the draw seeds and restores them, `train.data`).
+
+    Raises:
+        ConfigError: the dataset's size is not `config.dp.dataset_size`, embedding noise
+            is given other data than tensors, or the batch is not a tuple of at least two
+            tensors stacked along dim 0; naming what the Dataset must return.
+    """
+    data = JobData(
+        _dataset(config, parts),
+        config.dp.dataset_size,
+        needs_tensors=bool(config.embedding),
+        collate_fn=parts.collate_fn,
+    )
+    sampler = CyclicPoissonSampler(
+        dataset_size=config.dp.dataset_size,
+        batch_size=config.dp.batch_size,
+        bands=config.dp.bands,
+        seed=config.dp.seed,
+    )
+    what = f"the job's dataset ({type(data.dataset).__name__})"
+    try:
+        batch = data.draw(sampler, 0, None)
+    except (TypeError, ValueError) as exc:
+        if not _raised_in(exc, torch, cocoon_ckpt):
+            raise  # the user's __getitem__ or collate_fn failed: their error, their line
+        raise ConfigError(f"{what}: {exc}") from None
+    if len(batch.tensors) < 2:
+        raise ConfigError(
+            f"{what}: its items collate to {len(batch.tensors)} tensor(s); a Dataset item "
+            "must be a tuple (inputs..., target) of tensors, or numbers: the last is the "
+            "loss's target"
+        )
+
+
+def _raised_in(exc: BaseException, *packages: ModuleType) -> bool:
+    """Whether the innermost frame of `exc`'s traceback is in one of `packages`."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    where = os.path.realpath(tb.tb_frame.f_code.co_filename)
+    roots = (os.path.realpath(os.path.dirname(p.__file__ or "")) + os.sep for p in packages)
+    return any(where.startswith(r) for r in roots)
 
 
 def check_part_states(parts: JobParts) -> None:

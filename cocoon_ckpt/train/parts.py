@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import os
 import re
 import sys
@@ -20,7 +21,14 @@ from cocoon_ckpt.embedding.config import TableSpec
 from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.train.workers import DEFAULT_WORKER_TIMEOUT_S
 
-__all__ = ["JobParts", "Stateful", "make_optimizer", "resolve"]
+__all__ = [
+    "JobParts",
+    "Stateful",
+    "check_optimizer_step",
+    "make_optimizer",
+    "optimizer_class",
+    "resolve",
+]
 
 _STATEFUL_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
@@ -192,6 +200,8 @@ def _import(job: str, module: str, where: str) -> Any:
     except ModuleNotFoundError as exc:
         missing = exc.name or ""
         if module == missing or module.startswith(missing + "."):
+            if module.endswith(".py") or "/" in module or os.sep in module:
+                raise ConfigError(_file_not_module(job)) from None
             file = module.replace(".", "/") + ".py"
             hidden = _shadowed(module)
             if hidden is not None:
@@ -213,6 +223,19 @@ def _import(job: str, module: str, where: str) -> Any:
         ) from None
 
 
+def _file_not_module(job: str) -> str:
+    """What to write instead of a job named by its file (`myjob.py:build`), which no
+    import finds: the module's name, and the folder to run from."""
+    path, _, func = job.partition(":")
+    folder, file = os.path.split(path)
+    stem = file.removesuffix(".py")
+    where = f"the folder {folder}, which holds {file}" if folder else f"the folder of {file}"
+    return (
+        f"job {job!r} names a file; name its module instead: {stem}:{func}, run from "
+        f"{where} (a module in a package: package.{stem}:{func})"
+    )
+
+
 def _shadowed(module: str) -> str | None:
     """Why `module` was not found although the current directory holds its top-level
     folder: a regular package of that name elsewhere was imported instead (a folder
@@ -232,9 +255,9 @@ def _shadowed(module: str) -> str | None:
     )
 
 
-def make_optimizer(name: str, params: Sequence[nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    """The `torch.optim` optimizer named `name` in lower case (`sgd`, `adam`, ...;
-    `JobConfig.optimizer`) over `params`, with learning rate `lr` and its other defaults.
+def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    """The `torch.optim` optimizer class named `name` in lower case (`sgd`, `adam`, ...;
+    `JobConfig.optimizer`).
 
     Raises:
         ConfigError: torch.optim has no optimizer of that name (`custom` included: a
@@ -252,4 +275,46 @@ def make_optimizer(name: str, params: Sequence[nn.Parameter], lr: float) -> torc
             f"JobConfig.optimizer={name!r}: torch.optim has no such optimizer; use one of "
             f"{sorted(classes)}, or build the job's own in its builder"
         )
-    return classes[name](params, lr=lr)  # type: ignore[call-arg]
+    return classes[name]
+
+
+def make_optimizer(name: str, params: Sequence[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """The `torch.optim` optimizer named `name` in lower case (`sgd`, `adam`, ...;
+    `JobConfig.optimizer`) over `params`, with learning rate `lr` and its other defaults.
+
+    Raises:
+        ConfigError: torch.optim has no optimizer of that name (`custom` included: a
+            job's own class is built by the job).
+    """
+    return optimizer_class(name)(params, lr=lr)  # type: ignore[call-arg]
+
+
+def check_optimizer_step(
+    optimizer: torch.optim.Optimizer | type[torch.optim.Optimizer], where: str
+) -> None:
+    """Refuse an optimizer whose `step()` needs an argument: a closure that evaluates the
+    loss again (LBFGS calls it up to 25 times a step). A DP step hands the optimizer one
+    clipped, noised gradient per step; a closure would take gradients of the raw loss,
+    unclipped and without noise, which no privacy accounting covers.
+
+    Args:
+        optimizer: the job's optimizer, or the class `JobConfig.optimizer` names.
+        where: how the caller names it, e.g. `JobConfig.optimizer='lbfgs'`.
+
+    Raises:
+        ConfigError: naming the optimizer, what its step() needs, and the fix.
+    """
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    try:
+        params = list(inspect.signature(cls.step).parameters.values())[1:]  # self
+    except (AttributeError, TypeError, ValueError):  # no step, or a builtin's: nothing to tell
+        return
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    needed = [p.name for p in params if p.default is p.empty and p.kind not in variadic]
+    if needed:
+        raise ConfigError(
+            f"{where}: {cls.__name__}.step() needs {', '.join(needed)}, a function that "
+            "re-evaluates the loss, which a DP step cannot give (each step's gradient is "
+            "clipped and noised once); use an optimizer whose step() needs no argument "
+            "(sgd, adam, adamw, ...)"
+        )
