@@ -92,7 +92,7 @@ def _calibrate(target: float, n: int, batch: int, steps: int, bands: int, delta:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--bands", type=int, default=8)

@@ -33,7 +33,7 @@ N_DATA, BATCH, DELTA = 60_000, 256, 1e-6
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--settings", nargs="+", default=["64:4", "256:16", "1024:32"])
     ap.add_argument("--epsilon", nargs="+", type=float, default=[2.0, 8.0])
     args = ap.parse_args()

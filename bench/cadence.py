@@ -80,7 +80,7 @@ def compare(name: str, pairs: int, every: int, steps: int | None = None) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--jobs", nargs="+", choices=sorted(JOBS), default=sorted(JOBS))
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--every", type=int, default=10)

@@ -76,7 +76,7 @@ def timed(fn: Callable[[], object], before: Callable[[], object] | None = None) 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     p.add_argument("--dim", type=int, default=1 << 20, help="approximate model parameters")
     p.add_argument("--bands", type=int, default=32)
     p.add_argument("--every", type=int, default=4)

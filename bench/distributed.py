@@ -81,7 +81,7 @@ def _port() -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--dim", type=int, default=4 * 1024 * 1024)
     ap.add_argument("--bands", type=int, default=16)
     ap.add_argument("--reps", type=int, default=7)

@@ -273,7 +273,7 @@ def time_engines(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--scale", type=float, default=0.02, help="Criteo Kaggle rows times this")
     ap.add_argument("--dim", type=int, default=16)
     ap.add_argument("--batch", type=int, default=1024)

@@ -187,7 +187,7 @@ def _sizes_seen(trainer: DPTrainer) -> int:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--batch", type=int, default=64, help="the mlp model's batch")
     p.add_argument("--digits-batch", type=int, default=20)

@@ -65,7 +65,7 @@ def best_interleaved(fns: dict[str, Callable[[], object]], rounds: int) -> dict[
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     p.add_argument("--dim", type=int, default=1 << 22)
     p.add_argument("--bands", type=int, nargs="+", default=[8, 32, 64])
     p.add_argument("--rounds", type=int, default=7)

@@ -59,7 +59,7 @@ def timed(fn, reps: int) -> float:  # type: ignore[no-untyped-def]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--features", type=int, default=512)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=64)

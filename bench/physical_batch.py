@@ -187,7 +187,7 @@ def main() -> None:
         hidden, logical, physical = (int(a) for a in sys.argv[2:])
         child(hidden, logical, physical or None)
         return
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--logical", type=int, default=4096)
     p.add_argument("--physical", type=int, default=64)

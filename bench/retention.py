@@ -70,7 +70,7 @@ def row(label: str, data: int, referenced: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--optimizer", default="adam", choices=["sgd", "adam"])
     ap.add_argument("--bands", type=int, default=8)
     ap.add_argument("--every", type=int, default=2, help="checkpoint every this many steps")

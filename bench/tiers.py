@@ -59,7 +59,9 @@ def brute_force(units: int, sec: dict[str, float], cap: dict[str, int]) -> float
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     p.add_argument("--dim", type=int, default=1 << 22, help="model dimension m")
     p.add_argument("--bands", type=int, default=32, help="b; the history is (b-1) x m")
     p.add_argument(

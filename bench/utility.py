@@ -328,7 +328,7 @@ def verdict(dataset: str, rows: list[Row], diffs: dict[Row, tuple[float, float, 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--datasets", nargs="+", choices=sorted(SETTINGS), default=None)
     p.add_argument("--eps", nargs="+", type=float, default=[2.0, 8.0])
     p.add_argument("--bands", nargs="+", type=int, default=[4], help="b > 1 run beside the pick")

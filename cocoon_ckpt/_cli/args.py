@@ -14,6 +14,7 @@ __all__ = [
     "Parser",
     "add_json",
     "add_storage_options",
+    "check_url",
     "log_level",
     "seed",
     "storage_options",
@@ -28,7 +29,14 @@ LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (exit 2), like every other error of the CLI."""
+    """argparse with one-line errors (exit 2), like every other error of the CLI, and no
+    abbreviated long options: argparse would silently take a prefix of a flag for the
+    flag (`--target-epsilon` typed short), and a prefix that a later flag makes ambiguous
+    would change meaning."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"cocoon-ckpt: error: {message}; see {self.prog} --help\n")
@@ -66,6 +74,27 @@ def add_storage_options(p: argparse.ArgumentParser) -> None:
         help="fsspec options for the store URL as a JSON object, e.g. "
         '\'{"endpoint_url": "http://127.0.0.1:5000"}\' for an S3-compatible endpoint',
     )
+
+
+def check_url(url: str, what: str) -> None:
+    """Refuse a store URL whose scheme fsspec does not know (`s4://...`), naming the
+    argument (`what`: `--store`, `URL`) and the schemes it knows, before anything opens
+    it: fsspec's own "Protocol not known: s4" names neither.
+
+    Raises:
+        ConfigError: naming the argument, the scheme and fsspec's schemes.
+    """
+    import fsspec
+    from fsspec.core import split_protocol
+
+    known = set(fsspec.available_protocols())
+    for part in url.split("::"):  # chained URLs: simplecache::s3://...
+        scheme, _ = split_protocol(part)
+        if scheme is not None and scheme not in known:
+            raise ConfigError(
+                f"{what} {url}: no storage knows the URL scheme {scheme!r}; use a local "
+                f"path or a scheme fsspec knows: {', '.join(sorted(known))}"
+            )
 
 
 #: Types of the fsspec options users pass most (s3fs, gcsfs, adlfs): a string "false"

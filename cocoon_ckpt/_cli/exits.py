@@ -10,15 +10,18 @@ a missing version or key, a wrong output path); 128 + N stopped by signal N (130
 from __future__ import annotations
 
 import errno
+import os
 import signal
 import sys
+import sysconfig
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from cocoon_ckpt.errors import CocoonError, ConfigError, NoiseKeyError, PreemptedError
 from state import FormatVersionError, StoreError, StoreNotFoundError, VersionNotFoundError
 
-__all__ = ["EXIT_CODES", "FAILURE", "Named", "exit_code", "message"]
+__all__ = ["EXIT_CODES", "FAILURE", "Named", "exit_code", "message", "user_frame"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +124,37 @@ def message(exc: BaseException) -> str:
         path = path if len(path) <= 120 else path[:60] + "..." + path[-40:]
         return f"{path}: {exc.strerror}"
     text = str(exc) or type(exc).__name__
+    notes = []
+    where = user_frame(exc)
+    if where is not None:  # raised in, or under, the user's code: where to look
+        notes.append(f"at {where}")
     if not isinstance(exc, (CocoonError, StoreError, ValueError, OSError)):
         # not one of ours: name the class, and where the details are
-        text = f"{type(exc).__name__}: {text} (--log-level DEBUG prints the traceback)"
+        text = f"{type(exc).__name__}: {text}"
+        notes.append("--log-level DEBUG prints the traceback")
+    if notes:
+        text = f"{text} ({'; '.join(notes)})"
     return " ".join(text.split())  # one line, whatever the message holds
+
+
+def _library_roots() -> tuple[str, ...]:
+    """Folders whose files are not the user's: ours, the standard library, installed
+    packages."""
+    ours = (sys.modules.get(n) for n in ("cocoon_ckpt", "state", "fault_injection"))
+    roots = [os.path.dirname(m.__file__) for m in ours if m is not None and m.__file__]
+    paths = sysconfig.get_paths()
+    roots += [paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths]
+    return tuple(os.path.realpath(r) + os.sep for r in roots)
+
+
+def user_frame(exc: BaseException) -> str | None:
+    """`FILE:LINE in FUNCTION` of the innermost frame of `exc`'s traceback in the user's
+    code (a job builder, a Dataset), not ours, the standard library's or an installed
+    package's: where a user looks first. None when no frame is the user's."""
+    roots = _library_roots()
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        name = frame.filename
+        if name.startswith("<") or os.path.realpath(name).startswith(roots):
+            continue
+        return f"{name}:{frame.lineno} in {frame.name}"
+    return None

@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NoReturn, cast
 
 from cocoon_ckpt._cli import audit, catalog, chaos, export, plan, train
-from cocoon_ckpt._cli.args import LOG_LEVELS, Parser, log_level
+from cocoon_ckpt._cli.args import LOG_LEVELS, Parser, check_url, log_level
 from cocoon_ckpt._cli.exits import exit_code, message
-from cocoon_ckpt._cli.train_config import field_default
+from cocoon_ckpt._cli.train_config import field_default, flag_words
 from cocoon_ckpt._version import VersionAction
 from cocoon_ckpt.errors import PreemptedError
 from cocoon_ckpt.train.config import JobConfig
@@ -121,6 +121,7 @@ def _main(argv: Sequence[str] | None) -> int:
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     handler = cast("Callable[[argparse.Namespace], int]", args.handler)
     try:
+        _check_urls(args)
         return handler(args)
     except (BrokenPipeError, KeyboardInterrupt):
         raise
@@ -130,8 +131,20 @@ def _main(argv: Sequence[str] | None) -> int:
     except Exception as exc:
         if args.log_level == "DEBUG":
             traceback.print_exc()
-        print(f"cocoon-ckpt: error: {message(exc)}", file=sys.stderr)
+        text = message(exc)
+        if args.command == "train" and getattr(args, "config", None) is None:
+            text = flag_words(text)  # the user typed flags: name the flags, not fields
+        print(f"cocoon-ckpt: error: {text}", file=sys.stderr)
         return exit_code(exc)
+
+
+def _check_urls(args: argparse.Namespace) -> None:
+    """Each store URL the command line names (a command's URL, train's --store) has a
+    scheme fsspec knows (`args.check_url`)."""
+    for dest, what in (("url", "URL"), ("store", "--store")):
+        url = getattr(args, dest, None)
+        if isinstance(url, str):
+            check_url(url, what)
 
 
 if __name__ == "__main__":

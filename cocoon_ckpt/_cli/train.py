@@ -284,6 +284,11 @@ def run(args: argparse.Namespace) -> int:
     # A --job is built here once: its objects say what its optimizer, lr and dataset size
     # are (train_config.train_job).
     config, store, builder = train_job(args, options)
+    if config.optimizer != "custom":  # a torch.optim class: refused before the job is run
+        from cocoon_ckpt.train.parts import check_optimizer_step, optimizer_class
+
+        name = config.optimizer
+        check_optimizer_step(optimizer_class(name), f"JobConfig.optimizer={name!r}")
     # under torchrun every rank runs this; rank 0 alone shows progress and the result
     follower = os.environ.get("RANK", "0") != "0"
     progress = None

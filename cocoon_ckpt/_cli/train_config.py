@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 from typing import TYPE_CHECKING, Any
 
 from cocoon_ckpt._cli.args import storage_options
+from cocoon_ckpt.dp._validate import MAX_COUNT
 from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.tiers.config import TierConfig
 from cocoon_ckpt.train.config import ACCOUNTANTS, DPConfig, JobConfig, section_from_record
@@ -30,6 +32,7 @@ __all__ = [
     "add_target_flags",
     "field_default",
     "flag_default",
+    "flag_words",
     "train_config",
 ]
 
@@ -75,6 +78,65 @@ EXAMPLE_DEFAULTS: dict[str, Any] = {
     "noise_multiplier": 1.0,
     "bands": 8,
 }
+
+
+#: The flags of `train` that set JobConfig fields outside JOB_FLAGS and TARGET_FLAGS.
+_OTHER_FLAGS: dict[str, str] = {
+    "JobConfig.job": "--job",
+    "JobConfig.checkpoint_every": "--checkpoint-every",
+    "JobConfig.grad_threads": "--grad-threads",
+    "JobConfig.lease_expiry_s": "--lease-expiry",
+    "JobConfig.log_level": "--log-level",
+}
+
+
+def _field_flags() -> dict[str, str]:
+    """Each config field the flags of `train` set, as messages name it
+    (`DPConfig.bands`), and its flag (`--bands`)."""
+    out = dict(_OTHER_FLAGS)
+    for dest, path in (JOB_FLAGS | TARGET_FLAGS).items():
+        section, _, name = path.rpartition(".")
+        out[f"{'DPConfig' if section == 'dp' else 'JobConfig'}.{name}"] = "--" + dest.replace(
+            "_", "-"
+        )
+    return out
+
+
+_EXPECTED = re.compile(r"Expected ((?:DPConfig|JobConfig)\.\w+)=(.*?) to (.*)", re.DOTALL)
+_FIELD_VALUE = re.compile(r"\b((?:DPConfig|JobConfig)\.\w+)(=('[^']*'|\S+?(?=[,;:)\s]|$)))?")
+_BARE_VALUE = re.compile(r"(?<![\w.-])(\w+)=")
+
+
+def _shown(value: str) -> str:
+    """A value as typed on the command line: a quoted string without its quotes."""
+    quoted = len(value) >= 2 and value[0] == value[-1] == "'"
+    return value[1:-1] if quoted else value
+
+
+def flag_words(text: str) -> str:
+    """A message of the config classes in the words of `train`'s command line: each
+    field the flags set named by its flag (`Expected DPConfig.bands=8 to be <=
+    steps=4` -> `--bands 8 must be <= --steps 4`). The Python API keeps the field names;
+    the CLI translates at its boundary (not for `--config FILE`, whose user wrote fields).
+    """
+    flags = _field_flags()
+    short = {k.partition(".")[2]: v for k, v in flags.items()}
+    m = _EXPECTED.fullmatch(text)
+    if m is not None and m.group(1) in flags:
+        rule = _BARE_VALUE.sub(
+            lambda b: f"{short[b.group(1)]} " if b.group(1) in short else b.group(0), m.group(3)
+        )
+        text = f"{flags[m.group(1)]} {_shown(m.group(2))} must {rule}"
+
+    def field(f: re.Match[str]) -> str:
+        flag = flags.get(f.group(1))
+        if flag is None:
+            return f.group(0)
+        return flag if f.group(3) is None else f"{flag} {_shown(f.group(3))}"
+
+    text = _FIELD_VALUE.sub(field, text)
+    # "--dataset-size 2048 ... set --dataset-size (--dataset-size)": the flag once
+    return re.sub(r"(--[a-z-]+)( [^()]*)? \(\1\)", r"\1\2", text)
 
 
 def field_default(cls: type, name: str) -> Any:
@@ -262,6 +324,9 @@ def train_job(
     example = args.example or ("mlp" if args.job is None else None)
     builder = None
     if example is None and build:
+        # the flags' own checks first, in a second: importing and building the job takes
+        # as long as the job's imports and data (N is the job's, so any N passes here)
+        DPConfig(**{"dataset_size": MAX_COUNT, **dp})
         builder = _user_builder_of(args.job)
         dp, job, builder = _from_job(args.job, builder, dp, job, options, args)
     config = JobConfig(

@@ -105,7 +105,7 @@ def build(config: JobConfig) -> JobParts:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("store", nargs="?", default="runs/digits.zarr")
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--workers", type=int, default=1, help="DataLoader worker processes")
