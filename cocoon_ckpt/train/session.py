@@ -36,6 +36,7 @@ from cocoon_ckpt.records import JobRecords
 from cocoon_ckpt.train.allowances import ResumeAllowances
 from cocoon_ckpt.train.checkpoint import Checkpointer, writer_handoff
 from cocoon_ckpt.train.config import JobConfig
+from cocoon_ckpt.train.data import Batch
 from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.job_records import job_records
 from cocoon_ckpt.train.metrics import MetricsError, TrainingMetrics, step_scalars
@@ -291,12 +292,15 @@ class JobSession:
         try:
             while trainer.step_index < limit:
                 self._stop_if_preempted()
-                res = self._step(batches)
-                self.metrics.add(res.step, step_scalars(res))
+                batch = self._next_batch(batches)
+                with self._naming(batches):
+                    res = trainer.train_step(batch)
+                    self.metrics.add(res.step, step_scalars(res))
                 yield res
                 at_end = trainer.step_index == self.config.dp.steps
                 if trainer.step_index % self.config.checkpoint_every == 0 or at_end:
-                    self._save()
+                    with self._naming(batches):
+                        self._save()
         finally:
             batches.close()  # the workers end with the loop, stuck ones killed
 
@@ -305,20 +309,26 @@ class JobSession:
         fetch ahead while the steps run)."""
         return WorkerWatch(self.trainer.loader(limit))
 
-    def _step(self, batches: WorkerWatch) -> StepResult:
-        """The next step taken; a DataLoader worker that died or stopped is named."""
+    def _next_batch(self, batches: WorkerWatch) -> Batch:
+        """The next step's batch; a DataLoader worker that died or stopped is named."""
         try:
-            batch = next(batches)
+            return next(batches)
         except DataWorkerError as exc:
             # no step began: a worker lost to the signal stopping the job (one started
             # before it could ignore it) ends in the checkpoint that signal asks for
             self._stop_if_preempted()
             raise self._worker_error(exc) from exc
+
+    @contextlib.contextmanager
+    def _naming(self, batches: WorkerWatch) -> Iterator[None]:
+        """A worker's death that torch raises inside (from its SIGCHLD handler, wherever
+        this thread is) named: the step or checkpoint it cut is lost, the newest
+        committed version is kept."""
         try:
-            return self.trainer.train_step(batch)
+            yield
+        except DataWorkerError:
+            raise
         except RuntimeError as exc:
-            # torch raises a worker's death from its SIGCHLD handler, mid-step: the step
-            # is lost, the newest committed version is kept
             failure = batches.failure(exc)
             if failure is None:
                 raise

@@ -181,6 +181,28 @@ def test_a_stopped_worker_is_named_and_the_lease_released(
     _assert_same_final(gold_url, url, "resumed after a stopped worker")
 
 
+def test_a_killed_worker_is_named_at_once_and_the_lease_released(
+    gold: tuple[str, Path], tmp_path: Path
+) -> None:
+    _, key = gold
+    url = str(tmp_path / "run.zarr")
+    proc, err = _train(tmp_path, url, key, "kill")
+    _wait_for_commit(proc, url, err)
+    committed = {v: Store.open(url, create=False).read(v).step for v in Store.open(url).versions()}
+    worker = _workers(proc.pid)[1]
+    os.kill(worker, signal.SIGKILL)  # the kernel's OOM killer, say
+    assert proc.wait(timeout=120) == 1, err.read_text()
+    text = err.read_text()
+    assert text.count("\n") == 1, text
+    assert f"(pid {worker}) was killed by SIGKILL" in text and "lease is released" in text, text
+    assert "rerun the same command to resume" in text, text
+    _assert_released(url)
+    _wait_group_gone(proc.pid)
+    store = Store.open(url, create=False)
+    for v, step in committed.items():
+        assert store.read(v).step == step
+
+
 #: Run in the job's process: the group's SIGTERM arrives inside `acquire_lease`, after
 #: the lease record is created and before the store holds it (the heartbeat's start).
 SIGNAL_IN_LEASE = """
