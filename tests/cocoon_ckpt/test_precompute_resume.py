@@ -219,3 +219,16 @@ def test_sigkill_in_the_precompute_resumes_bit_identical(tmp_path: Path) -> None
     assert all(torch.equal(want[k], got[k]) for k in want)
     audit = _run(["audit", "--key-file", str(key), "--example", "dlrm", "--seed", "1", str(run)])
     assert audit.returncode == 0, audit.stdout + audit.stderr
+
+    # killed right after its first version committed, before it deleted the parts: the
+    # next start finds the CSC in that version and deletes them then
+    late = tmp_path / "late.zarr"
+    killed = _run(_train(late, key), {"COCOON_CRASH_AT": "checkpoint.after_manifest:step=8"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert _markers(late) and Store.open(str(late), create=False).versions() == [1]
+    resumed = _run(_train(late, key))
+    assert resumed.returncode == 0, resumed.stderr
+    assert not _tiles(resumed.stderr)  # no precompute: the CSC came from version 1
+    assert not (late / "shared" / PRECOMPUTE).exists()
+    got = _export(late, key, tmp_path / "late.pt")
+    assert all(torch.equal(want[k], got[k]) for k in want)
