@@ -122,8 +122,8 @@ def add_parser(sub: Subparsers) -> None:
         "--clipping",
         choices=CLIPPINGS,
         help="how per-sample gradients are clipped: vmap forms them chunk by chunk; ghost "
-        "forms none for Linear, LayerNorm and Embedding layers (norms from activations and "
-        f"output gradients, then a reweighted backward) {_default('clipping')}",
+        "forms none for Linear, LayerNorm and Embedding layers (norms and the clipped sum "
+        f"from activations and output gradients, one backward) {_default('clipping')}",
     )
     p.add_argument("--lr", type=float, help=f"learning rate {_default('lr')}")
     p.add_argument(

@@ -75,7 +75,7 @@ OPTIMIZERS = (
 #: `NoiseRng`'s values (dp.generator imports torch; the config is read without it).
 NOISE_RNGS = ("default", "secure")
 #: `DPConfig.clipping`'s values: per-sample gradients by vmap (`train.grads`), or ghost
-#: norms and a reweighted backward (`train.ghost`).
+#: norms and book-keeping from activations and output gradients (`train.ghost`).
 CLIPPINGS = ("vmap", "ghost")
 
 #: The largest `JobConfig.lr`: no optimizer trains at a larger rate (`--lr 1e308` failed at
@@ -125,8 +125,8 @@ class DPConfig:
         clipping: How the clipped per-sample gradient sum is taken (`CLIPPINGS`): `vmap`
             forms each chunk's per-sample gradients (`train.grads`); `ghost` forms none for
             nn.Linear, nn.LayerNorm and nn.Embedding, taking their per-sample norms from
-            activations and output gradients, then the clipped sum by a second, reweighted
-            backward (`train.ghost`; other layers take per-sample gradients of their own
+            activations and output gradients, and the clipped sum from the same (one backward:
+            `train.ghost`; other layers take per-sample gradients of their own
             parameters). The two agree to float rounding, not bit for bit: fingerprinted.
     """
 
