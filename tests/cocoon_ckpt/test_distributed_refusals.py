@@ -127,7 +127,8 @@ def _ranks(world: int, argv: list[str], counts: Path | None = None) -> list[tupl
 @pytest.mark.parametrize(
     ("fault", "extra", "code", "says"),
     [
-        ("optimizer", (), 2, "the job's optimizer is Adam"),
+        # the job's own Adam is the record unless a flag says otherwise: then it is refused
+        ("optimizer", ("--optimizer", "sgd"), 2, "the job's optimizer is Adam"),
         # one rank's parts alone are wrong: the coordinator, whose are right, stops too
         (
             "dataset",
