@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import re
 import signal
 import subprocess
@@ -21,12 +22,16 @@ import torch
 from cocoon_ckpt import BandMF
 from cocoon_ckpt._cli.main import main
 from cocoon_ckpt.embedding import AccessSchedule, CoalescedCSC, precompute_csc, table_noise
+from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.embedding.precompute import AFTER_TILE
 from cocoon_ckpt.embedding.stored_tiles import PRECOMPUTE, StoredTiles
 from cocoon_ckpt.examples.dlrm import zipf_ids
 from cocoon_ckpt.layout import emb_name
 from fault_injection import CrashPointHit, crash_at, disarm_all, known_points
+from fault_injection.chaos import draw_schedule
 from state import FencedError, Store
+
+from .conftest import job_config
 
 KEY = bytes(range(32))
 ROWS, STEPS, DIM, TILE = 600, 12, 4, 50  # 12 tiles of 50 slots (hot = 0)
@@ -65,8 +70,15 @@ def _markers(root: Path) -> list[Path]:
     return sorted((root / "shared" / PRECOMPUTE).rglob("*.done"))
 
 
-def test_precompute_crash_point_is_known() -> None:
+def test_precompute_crash_point_is_known_and_drawn_where_it_fires() -> None:
     assert AFTER_TILE in known_points()
+    rng = random.Random(0)
+    dense = draw_schedule(job_config("dlrm"), 200, rng)
+    assert AFTER_TILE not in {p for p, _ in dense}  # no precompute there: never fires
+    emb = EmbeddingConfig(mode="coalesced", threat_model="final_model", hot_threshold=2)
+    coalesced = draw_schedule(job_config("dlrm", embedding=emb), 200, rng)
+    # at the precompute's first tile: a step could name a tile count it never reaches
+    assert {s for p, s in coalesced if p == AFTER_TILE} == {None}
 
 
 @pytest.mark.parametrize("threads", [1, 2])
