@@ -9,10 +9,14 @@ __all__ = [
     "KEY_SECRET",
     "THREAT_MODELS",
     "THREAT_MODEL_DEFAULT",
+    "MODEL_PREFIX",
     "array_kind",
     "emb_name",
+    "model_name",
+    "optim_name",
     "ring_name",
     "ring_rows_name",
+    "rng_name",
     "table_ring_rows_name",
 ]
 
@@ -31,6 +35,25 @@ THREAT_MODELS = {
     "an intermediate checkpoint does not carry the full noise of cold rows and must not "
     "be released",
 }
+
+
+#: The folder of the model's parameters and buffers in a version: `model/<state_dict key>`.
+MODEL_PREFIX = "model/"
+
+
+def model_name(key: str) -> str:
+    """The array of the model's state_dict entry `key`."""
+    return MODEL_PREFIX + key
+
+
+def optim_name(param: int, key: str) -> str:
+    """The array of optimizer state `key` (e.g. `exp_avg`) of parameter index `param`."""
+    return f"optim/{param}/{key}"
+
+
+def rng_name(kind: str) -> str:
+    """The array of a random generator's state: `torch`, `numpy`, `cuda/<i>`."""
+    return f"rng/{kind}"
 
 
 def array_kind(name: str) -> str:

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from cocoon_ckpt.layout import MODEL_PREFIX
 from cocoon_ckpt.train.config import JobConfig
 from cocoon_ckpt.train.ring_rows import slot_refs
 from state import Manifest
@@ -251,7 +252,7 @@ def _plain_arrays(c: _Checker, shapes: dict[str, list[int]]) -> None:
         if name in c.claimed or top in ("ring", "emb"):
             continue
         if top == "model":
-            want = shapes.get(name[len("model/") :])
+            want = shapes.get(name[len(MODEL_PREFIX) :])
             if want is None:
                 c.problem(f"array {name} is not a parameter of the recorded model", name)
             elif list(meta.shape) != want:

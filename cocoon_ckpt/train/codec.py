@@ -19,7 +19,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from cocoon_ckpt.layout import ring_rows_name
+from cocoon_ckpt.layout import model_name, optim_name, ring_rows_name, rng_name
 from cocoon_ckpt.records import (
     AccountantRecord,
     BLTRecord,
@@ -95,8 +95,8 @@ def _optimizer(opt: dict[str, Any], snap: Snapshot) -> OptimizerRecord:
         rec: dict[str, OptimizerValue] = {}
         for key, val in st.items():
             if isinstance(val, torch.Tensor):
-                snap.arrays[f"optim/{idx}/{key}"] = _to_numpy(val)
-                rec[key] = {"array": f"optim/{idx}/{key}"}
+                snap.arrays[optim_name(idx, key)] = _to_numpy(val)
+                rec[key] = {"array": optim_name(idx, key)}
             else:
                 rec[key] = {"value": val}
         state[str(idx)] = rec
@@ -132,11 +132,11 @@ def encode(state: TrainerState, parent: Manifest | None, *, shard_only: bool = F
     if shard_only:
         return snap
     for name, t in state["model"].items():
-        snap.arrays[f"model/{name}"] = _to_numpy(t)
+        snap.arrays[model_name(name)] = _to_numpy(t)
     rng = state["rng"]
-    snap.arrays["rng/torch"] = _to_numpy(rng["torch"])
+    snap.arrays[rng_name("torch")] = _to_numpy(rng["torch"])
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = rng["numpy"]
-    snap.arrays["rng/numpy"] = np.asarray(np_keys)
+    snap.arrays[rng_name("numpy")] = np.asarray(np_keys)
     py_version, py_internal, py_gauss = rng["python"]
     rng_record: RngRecord = {
         "numpy": {
@@ -148,7 +148,7 @@ def encode(state: TrainerState, parent: Manifest | None, *, shard_only: bool = F
         "python": [py_version, list(py_internal), py_gauss],
     }
     for i, cuda_state in enumerate(rng.get("cuda", [])):
-        snap.arrays[f"rng/cuda/{i}"] = _to_numpy(cuda_state)
+        snap.arrays[rng_name(f"cuda/{i}")] = _to_numpy(cuda_state)
     if "cuda" in rng:
         rng_record["cuda"] = len(rng["cuda"])
     ring_slots = len(noise["slot_steps"])
@@ -274,10 +274,10 @@ def _decode_rng(version: Version, rec: RngRecord) -> RngState:
     """The global generators' states a version stores (CUDA's when it has them)."""
     npr, py = rec["numpy"], rec["python"]
     state: RngState = {
-        "torch": torch.from_numpy(version.array("rng/torch").copy()),
+        "torch": torch.from_numpy(version.array(rng_name("torch")).copy()),
         "numpy": (
             npr["kind"],
-            version.array("rng/numpy").copy(),
+            version.array(rng_name("numpy")).copy(),
             npr["pos"],
             npr["has_gauss"],
             npr["cached_gaussian"],
@@ -286,5 +286,7 @@ def _decode_rng(version: Version, rec: RngRecord) -> RngState:
     }
     n = int(rec.get("cuda", 0))
     if n:
-        state["cuda"] = [torch.from_numpy(version.array(f"rng/cuda/{i}").copy()) for i in range(n)]
+        state["cuda"] = [
+            torch.from_numpy(version.array(rng_name(f"cuda/{i}")).copy()) for i in range(n)
+        ]
     return state

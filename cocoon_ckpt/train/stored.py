@@ -9,6 +9,7 @@ from typing import Any, cast
 import torch
 
 from cocoon_ckpt.embedding.engine import TablePlan
+from cocoon_ckpt.layout import MODEL_PREFIX
 from cocoon_ckpt.records import VersionRecords
 from cocoon_ckpt.train.config import JobConfig
 from state import Manifest, Store, StoreError, Version
@@ -24,9 +25,9 @@ def records_of(version: Version | Manifest) -> VersionRecords:
 def model_state(version: Version) -> dict[str, torch.Tensor]:
     """The model state_dict held by a version (verified arrays, copied)."""
     return {
-        name[len("model/") :]: torch.from_numpy(version.array(name).copy())
+        name[len(MODEL_PREFIX) :]: torch.from_numpy(version.array(name).copy())
         for name in version.array_names()
-        if name.startswith("model/")
+        if name.startswith(MODEL_PREFIX)
     }
 
 
