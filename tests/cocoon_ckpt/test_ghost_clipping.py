@@ -331,3 +331,20 @@ def test_cli_clipping_flag_runs_a_ghost_job(tmp_path: Path) -> None:
     assert "dp.clipping" in refused.stderr
     after = Store.open(url, create=False).latest()
     assert after is not None and after.version == latest.version
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu_check.sh runs it)"
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ghost_on_cuda_equals_vmap_and_repeats_its_bits(dtype: torch.dtype) -> None:
+    model, batch = _case(
+        True, 7, 16, [("linear", 32, True), ("layernorm", 0, True), ("scale", 0, False)], 12, dtype
+    )
+    model = model.cuda()
+    batch = [t.cuda() for t in batch]
+    a, b = _both(model, batch, 0.1, 5)
+    assert b.summed.device.type == "cuda"
+    _close(a.summed, b.summed, dtype)
+    again = _both(model, batch, 0.1, 5)[1]
+    assert torch.equal(b.summed, again.summed)

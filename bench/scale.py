@@ -1,0 +1,398 @@
+"""A GPT-2-shaped transformer at scale: a non-private step against our DP step with
+per-sample gradients by vmap (`--clipping vmap`) and by ghost norms (`--clipping ghost`),
+and Opacus' hooks and ghost clipping when opacus is importable; then where ghost clipping
+overtakes vmap as the model grows.
+
+The model: token and position embeddings, `depth` pre-LayerNorm blocks of causal
+self-attention (written from nn.Linear, as GPT-2 is) and a 4x MLP with GELU, a final
+LayerNorm and a classification head on the mean over the sequence. Every contender takes
+the same model (same seed), the same batches (logical batch `--batch`, fixed size, so
+every DP step takes the same number of examples) and the same physical chunks
+(`--physical`). Ours is the whole DP step of `DPTrainer` (clipped sum, BandMF noise of
+`--bands` bands, optimizer), SGD everywhere.
+
+Each contender runs in its own subprocess, so its peak RSS (`ru_maxrss`, whole process:
+model, optimizer, ring, activations, per-sample chunk) is its own; on CUDA the peak of
+torch's allocator is printed too. Per contender: the median seconds per step over
+`--steps` steps after `--warmup`, and its ratio to the non-private step of the same run.
+Rows `vmap-clip` and `ghost-clip` take the clipped sum alone (no noise, no optimizer):
+the clipping's own share of the step and of its memory. The crossover table repeats vmap
+and ghost at depth 2 over widths (`--sweep`) and sequence lengths (`--sweep-seq`): the
+per-sample gradients vmap forms grow with the parameters, ghost's norms with T^2.
+"steps MiB" is the peak RSS during the timed steps above the RSS before them (after the
+warm-up steps, whose one-time costs the whole-process peak includes).
+
+    python bench/scale.py                      # 4 blocks, d 256, seq 32: < 2 min on 2 cores
+    python bench/scale.py --85m                # 12 blocks, d 768, 12 heads (GPT-2 small)
+    python bench/scale.py --device cuda        # the same on a GPU
+    /tmp/opvenv/bin/python bench/scale.py      # with opacus installed (a venv with
+                                               # --system-site-packages and opacus)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+MIB = 1 << 20
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: causal self-attention from Linear layers, 4x MLP."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.reshape(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        att = att.masked_fill(mask, float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.down(nn.functional.gelu(self.up(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """GPT-2-shaped: embeddings, `depth` blocks, final LayerNorm, a classifier head."""
+
+    def __init__(self, depth: int, d: int, heads: int, vocab: int, seq: int, classes: int) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(seq, d)
+        self.blocks = nn.Sequential(*[Block(d, heads) for _ in range(depth)])
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # contiguous: Opacus' embedding norm views the ids
+        pos = torch.arange(ids.shape[1], device=ids.device).repeat(ids.shape[0], 1)
+        h = self.blocks(self.wte(ids) + self.wpe(pos))
+        return self.head(self.ln(h)).mean(1)
+
+
+def make(spec: dict[str, Any]) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The model (seeded) and `dataset` examples of token ids and labels."""
+    torch.manual_seed(0)
+    model = GPT(
+        spec["depth"], spec["d"], spec["heads"], spec["vocab"], spec["seq"], spec["classes"]
+    )
+    g = torch.Generator().manual_seed(1)
+    n = spec["batch"] * 64
+    x = torch.randint(0, spec["vocab"], (n, spec["seq"]), generator=g)
+    y = torch.randint(0, spec["classes"], (n,), generator=g)
+    return model, x, y
+
+
+def child(spec: dict[str, Any]) -> None:
+    """One contender in this fresh process: prints one JSON line."""
+    torch.set_num_threads(spec["threads"])
+    device = torch.device(spec["device"])
+    model, x, y = make(spec)
+    model = model.to(device)
+    b, kind = spec["batch"], spec["kind"]
+    loss_fn = nn.functional.cross_entropy
+    batches = [(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b]) for i in range(64)]
+    step = _step(kind, model, loss_fn, spec, batches, device)
+    # CPU time of the process by default: on a shared machine a neighbour's load lengthens
+    # wall time, not the work a step does (CUDA steps are timed on the wall clock)
+    cpu = spec["clock"] == "cpu" and device.type != "cuda"
+    clock = time.process_time if cpu else time.perf_counter
+    times = []
+    base, reset = 0, False
+    for i in range(spec["warmup"] + spec["steps"]):
+        if i == spec["warmup"]:  # the steady steps' own peak: after the first-use costs
+            base = _status_kib("VmRSS")
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")  # resets VmHWM to the current RSS
+                reset = True
+            except OSError:
+                reset = False
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = clock()
+        step(i)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(clock() - t)
+    out = {
+        "kind": kind,
+        "params": sum(p.numel() for p in model.parameters()),
+        "s": statistics.median(times[spec["warmup"] :]),
+        "range": [min(times[spec["warmup"] :]), max(times[spec["warmup"] :])],
+        "first": times[0],
+        "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "step_mib": (_status_kib("VmHWM") - base) / 1024 if reset else float("nan"),
+    }
+    if device.type == "cuda":
+        out["cuda_peak_mib"] = torch.cuda.max_memory_allocated() / MIB
+    print(json.dumps(out))
+
+
+def _status_kib(field: str) -> int:
+    """A field of /proc/self/status in KiB (VmRSS, VmHWM); 0 where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _step(
+    kind: str,
+    model: nn.Module,
+    loss_fn: Any,
+    spec: dict[str, Any],
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+) -> Any:
+    b, phys = spec["batch"], spec["physical"]
+    chunks = [(a, min(a + phys, b)) for a in range(0, b, phys)]
+    if kind == "non-private":
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def plain(i: int) -> None:
+            xb, yb = batches[i % len(batches)]
+            for a, z in chunks:
+                xc, yc = xb[a:z].to(device), yb[a:z].to(device)
+                (loss_fn(model(xc), yc) * ((z - a) / b)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+
+        return plain
+    if kind in ("vmap-clip", "ghost-clip"):
+        from cocoon_ckpt.train.ghost import GhostGrads
+        from cocoon_ckpt.train.grads import PerSampleGrads
+
+        names = [k for k, _ in model.named_parameters()]
+        grads = (GhostGrads if kind == "ghost-clip" else PerSampleGrads)(model, loss_fn, names)
+
+        def clip_only(i: int) -> None:
+            xb, yb = batches[i % len(batches)]
+            grads.clipped_sum([xb.to(device), yb.to(device)], 1.0, spec["physical"])
+
+        return clip_only
+    if kind in ("vmap", "ghost"):
+        from cocoon_ckpt import DPConfig
+        from cocoon_ckpt.train.data import Batch
+        from cocoon_ckpt.train.trainer import DPTrainer
+
+        n = int(batches[0][0].shape[0]) * len(batches)
+        cfg = DPConfig(
+            steps=10_000,
+            batch_size=b,
+            dataset_size=n,
+            noise_multiplier=1.0,
+            bands=spec["bands"],
+            physical_batch_size=phys,
+            clipping=kind,
+        )
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        data = (torch.cat([c[0] for c in batches]), torch.cat([c[1] for c in batches]))
+        trainer = DPTrainer(model, opt, loss_fn, data, cfg, bytes(32))
+
+        def ours(i: int) -> None:
+            xb, yb = batches[i % len(batches)]
+            idx = torch.arange(b, dtype=torch.int64)
+            trainer.train_step(Batch(trainer.step_index, idx, (xb, yb), b))
+
+        return ours
+    return _opacus_step(kind, model, loss_fn, spec, batches, chunks, device)
+
+
+def _opacus_step(
+    kind: str,
+    model: nn.Module,
+    loss_fn: Any,
+    spec: dict[str, Any],
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    chunks: list[tuple[int, int]],
+    device: torch.device,
+) -> Any:
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    b = spec["batch"]
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(TensorDataset(*batches[0]), batch_size=b)
+    engine = PrivacyEngine()
+    mode = "ghost" if kind == "opacus-ghost" else "hooks"
+    kw: dict[str, Any] = {"criterion": nn.CrossEntropyLoss()} if mode == "ghost" else {}
+    made = engine.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=loader,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        poisson_sampling=False,
+        grad_sample_mode=mode,
+        **kw,
+    )
+    dp_model, dp_opt = made[0], made[1]
+    crit = made[2] if mode == "ghost" else nn.CrossEntropyLoss()
+    dp_opt.expected_batch_size = b
+
+    def opacus(i: int) -> None:
+        xb, yb = batches[i % len(batches)]
+        for j, (a, z) in enumerate(chunks):
+            xc, yc = xb[a:z].to(device), yb[a:z].to(device)
+            crit(dp_model(xc), yc).backward()
+            # BatchMemoryManager's protocol: every chunk but the last skips the update
+            dp_opt.signal_skip_step(do_skip=j < len(chunks) - 1)
+            dp_opt.step()
+            dp_opt.zero_grad()
+
+    return opacus
+
+
+def run(spec: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    cmd = [sys.executable, __file__, "--child", json.dumps({**spec, "kind": kind})]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"  {kind}: failed: {done.stderr.strip().splitlines()[-1:]}")
+        return None
+    r: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return r
+
+
+def table(spec: dict[str, Any], kinds: list[str]) -> dict[str, dict[str, Any]]:
+    rows = {k: r for k in kinds if (r := run(spec, k)) is not None}
+    base = rows.get("non-private")
+    print(
+        f"depth {spec['depth']}, d {spec['d']}, heads {spec['heads']}, seq {spec['seq']}, "
+        f"batch {spec['batch']}, physical {spec['physical']}, bands {spec['bands']}, "
+        f"{spec['device']}, {spec['threads']} threads, {spec['clock']} clock"
+        + (f", {base['params'] / 1e6:.1f}M parameters" if base else "")
+    )
+    print(
+        f"  {'contender':<13} {'s/step':>8} {'range':>15} {'first':>7} {'x plain':>8} "
+        f"{'peak RSS MiB':>13} {'x plain':>8} {'steps MiB':>10} {'x plain':>8}"
+        + ("  cuda peak MiB" if spec["device"] == "cuda" else "")
+    )
+    for k, r in rows.items():
+        ratio = r["s"] / base["s"] if base else float("nan")
+        mem = r["rss_mib"] / base["rss_mib"] if base else float("nan")
+        own = r["step_mib"] / base["step_mib"] if base else float("nan")
+        lo, hi = r["range"]
+        line = (
+            f"  {k:<13} {r['s']:8.3f} {lo:7.3f}-{hi:<7.3f} {r['first']:7.2f} {ratio:8.2f} "
+            f"{r['rss_mib']:13.0f} {mem:8.2f} {r['step_mib']:10.0f} {own:8.2f}"
+        )
+        if "cuda_peak_mib" in r:
+            line += f"  {r['cuda_peak_mib']:13.0f}"
+        print(line)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--d", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--85m", dest="gpt2", action="store_true", help="12 blocks, d 768, 12 heads")
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--classes", type=int, default=16)
+    p.add_argument("--batch", type=int, default=8, help="logical batch (every step)")
+    p.add_argument("--physical", type=int, default=4, help="examples per chunk")
+    p.add_argument("--bands", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per contender")
+    p.add_argument("--clock", choices=["cpu", "wall"], default="cpu", help="on CPU devices")
+    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--sweep",
+        type=int,
+        nargs="*",
+        default=[32, 128, 512],
+        help="widths of the vmap/ghost crossover at depth 2 (none: skip)",
+    )
+    p.add_argument(
+        "--sweep-seq",
+        type=int,
+        nargs="*",
+        default=[8, 128],
+        help="sequence lengths of the crossover at depth 2 and --d (none: skip)",
+    )
+    args = p.parse_args()
+    if args.child:
+        child(json.loads(args.child))
+        return
+    if args.gpt2:
+        args.depth, args.d, args.heads = 12, 768, 12
+    spec = {
+        k: getattr(args, k)
+        for k in (
+            "depth",
+            "d",
+            "heads",
+            "seq",
+            "vocab",
+            "classes",
+            "batch",
+            "physical",
+            "bands",
+            "steps",
+            "warmup",
+            "threads",
+            "device",
+            "clock",
+        )
+    }
+    # "-clip": the clipped sum alone (no noise, no optimizer), the clipping's own share
+    kinds = ["non-private", "vmap", "ghost", "vmap-clip", "ghost-clip"]
+    if importlib.util.find_spec("opacus") is not None:
+        kinds += ["opacus-hooks", "opacus-ghost"]
+    else:
+        print("(opacus is not importable: its rows are skipped)")
+    table(spec, kinds)
+    sweep = [("d", d, {"d": d, "heads": max(1, d // 64)}) for d in args.sweep]
+    sweep += [("seq", t, {"seq": t}) for t in args.sweep_seq]
+    if sweep:
+        print(
+            "\ncrossover: ghost / vmap per DP step (depth 2; d as given, seq as given at "
+            f"d {args.d})"
+        )
+        print(
+            f"  {'size':>9} {'params':>8} {'vmap s':>8} {'ghost s':>8} {'ghost/vmap':>11} "
+            f"{'vmap MiB':>9} {'ghost MiB':>10}"
+        )
+        for what, value, change in sweep:
+            sub = {**spec, "depth": 2, **change}
+            v, g = run(sub, "vmap"), run(sub, "ghost")
+            if v is None or g is None:
+                continue
+            print(
+                f"  {what + ' ' + str(value):>9} {v['params'] / 1e6:7.2f}M {v['s']:8.3f} "
+                f"{g['s']:8.3f} {g['s'] / v['s']:11.2f} {v['step_mib']:9.0f} {g['step_mib']:10.0f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
