@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,8 @@ from cocoon_ckpt.train.parts import JobParts
 from cocoon_ckpt.train.stored import model_state
 from state import Store
 
+from . import real_job
+from . import test_real_job_kill as kill
 from .conftest import job_config
 
 VOCAB, CLASSES = 13, 3
@@ -313,6 +316,37 @@ def test_a_ghost_job_stopped_and_resumed_ends_bit_identical(tmp_path: Path) -> N
     with pytest.raises(ConfigMismatchError, match=r"dp.clipping: stored 'ghost', now 'vmap'"):
         vmap_cfg = dataclasses.replace(cfg, dp=dataclasses.replace(cfg.dp, clipping="vmap"))
         run_job(vmap_cfg, run, builder=tiny_lm, key_file=key)
+
+
+@pytest.mark.slow
+def test_a_ghost_job_sigkilled_after_a_commit_resumes_bit_identical(tmp_path: Path) -> None:
+    """The user's real job (DataLoader workers, StepLR, an EMA) under --clipping ghost in
+    a real `cocoon-ckpt train` process, SIGKILLed after its first commit and rerun, ends
+    bit for bit as the uninterrupted ghost run (one key file)."""
+    cfg = dataclasses.replace(
+        kill._config(), dp=dataclasses.replace(kill._config().dp, clipping="ghost")
+    )
+    key, gold, url = tmp_path / "noise.key", str(tmp_path / "gold.zarr"), str(tmp_path / "r.zarr")
+    run_job(cfg, gold, key_file=str(key), builder=real_job.build)
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps(cfg.to_record()))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(kill.ROOT), *sys.path])}
+    cmd = [
+        *(sys.executable, "-m", "cocoon_ckpt", "train", "--config", str(job)),
+        *("--store", url, "--key-file", str(key), "--no-progress"),
+    ]
+    with (tmp_path / "first.err").open("wb") as err:
+        proc = subprocess.Popen(cmd, cwd=kill.ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    kill._wait_for_commit(proc, url, "ghost job")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = Store.open(url, create=False).latest()
+    assert proc.returncode == -signal.SIGKILL and killed_at is not None
+    assert killed_at.step < kill.STEPS, "the job finished before the kill: nothing was resumed"
+    with (tmp_path / "second.err").open("wb") as err:
+        done = subprocess.run(cmd, cwd=kill.ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    assert done.returncode == 0, (tmp_path / "second.err").read_text()
+    kill._assert_same_final(gold, url, f"ghost job killed at step {killed_at.step}")
 
 
 def test_cli_clipping_flag_runs_a_ghost_job(tmp_path: Path) -> None:
