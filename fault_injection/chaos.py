@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cocoon_ckpt import JobConfig, run_job
+from cocoon_ckpt import JobConfig, ResumeAllowances, run_job
 from cocoon_ckpt.keys import manifest_mac_key
 from state import CorruptVersionError, Store, restamp
 from state.paths import manifest_path, version_prefix
@@ -248,7 +248,7 @@ def run_chaos(
                         fs=fs,
                         key_file=key_file,
                         on_step=trace.record,
-                        allow_fallback=allow_fallback,
+                        allow=ResumeAllowances(fallback=allow_fallback),
                     )
                     done = True
                 except CrashPointHit:

@@ -97,7 +97,7 @@ def check_generator_backend(
                 f"the store's noise came from the retired generator scheme {scheme!r} "
                 f"({LEGACY_SCHEMES[scheme]}), this release draws {now['scheme']!r}: finish "
                 "the job with the cocoon-ckpt release that started it, start a new store, "
-                "or pass --allow-generator-change (allow_generator_change=True in the API) to go on "
+                "or pass --allow-generator-change (ResumeAllowances(generator_change=True) in the API) to go on "
                 "with the new scheme"
             )
         return
@@ -111,6 +111,6 @@ def check_generator_backend(
         raise GeneratorMismatchError(
             f"the store's noise came from generator backend {recorded}, this process has "
             f"{now}: resumed noise would differ from an uninterrupted run. Use the same numpy "
-            "and torch releases, or pass --allow-generator-change (allow_generator_change=True "
+            "and torch releases, or pass --allow-generator-change (ResumeAllowances(generator_change=True) "
             "in the API) to accept the difference"
         )

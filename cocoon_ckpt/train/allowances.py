@@ -1,5 +1,5 @@
 """What a resume may accept that it refuses by default, as one value the start passes
-down (`open_job` -> `start_job` -> `prepare_trainer`), instead of one flag per call."""
+down (`open_job` -> `start_job` -> `prepare_trainer`): the only way to lift a check."""
 
 from __future__ import annotations
 
@@ -40,20 +40,3 @@ class ResumeAllowances:
                 raise ConfigError(
                     f"ResumeAllowances.{f.name}={value!r} is not a bool; pass True or False"
                 )
-
-    def widened(
-        self,
-        *,
-        fallback: bool = False,
-        generator_change: bool = False,
-        device_change: bool = False,
-        unauthenticated: bool = False,
-    ) -> ResumeAllowances:
-        """These allowances and the flags of `open_job`/`run_job`'s keyword form
-        (`allow_fallback=True`, ...): what either allows is allowed."""
-        return ResumeAllowances(
-            fallback=self.fallback or fallback,
-            generator_change=self.generator_change or generator_change,
-            device_change=self.device_change or device_change,
-            unauthenticated=self.unauthenticated or unauthenticated,
-        )

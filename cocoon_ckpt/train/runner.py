@@ -64,9 +64,6 @@ def run_job(
     key_file: str | None = None,
     takeover: bool = False,
     allow: ResumeAllowances | None = None,
-    allow_fallback: bool = False,
-    allow_generator_change: bool = False,
-    allow_device_change: bool = False,
     on_step: Callable[[StepResult, DPTrainer], None] | None = None,
     on_precompute: Callable[[int, int], None] | None = None,
     stop_after: int | None = None,
@@ -81,11 +78,8 @@ def run_job(
         builder: the job builder (resolved from `config.job` by default).
         key_file: keep the noise key in this file (0600) instead of the store.
         takeover: take the writer lease even if its holder looks alive.
-        allow: the resume checks to lift (`ResumeAllowances`); the three flags below are
-            its keyword form, and what either allows is allowed.
-        allow_fallback: resume from an older version if the newest is damaged.
-        allow_generator_change: resume although the generator backend differs (I3 lost).
-        allow_device_change: resume on another device type (same noise; I3 lost).
+        allow: the resume checks to lift, each at the cost its field states
+            (`ResumeAllowances(fallback=True)`, ...); None lifts none.
         on_step: called after each step (progress bars).
         on_precompute: called as (rows done, rows in all) while coalesced embedding noise
             is precomputed (before step 0; a resume loads it from the store instead).
@@ -120,9 +114,6 @@ def run_job(
         key_file=key_file,
         takeover=takeover,
         allow=allow,
-        allow_fallback=allow_fallback,
-        allow_generator_change=allow_generator_change,
-        allow_device_change=allow_device_change,
         on_precompute=on_precompute,
         fs=fs,
     ) as job:

@@ -65,9 +65,6 @@ def open_job(
     key_file: str | None = None,
     takeover: bool = False,
     allow: ResumeAllowances | None = None,
-    allow_fallback: bool = False,
-    allow_generator_change: bool = False,
-    allow_device_change: bool = False,
     on_precompute: Callable[[int, int], None] | None = None,
     fs: Any = None,
 ) -> JobSession:
@@ -82,11 +79,8 @@ def open_job(
         storage_options: fsspec options for the URL.
         key_file: keep the noise key in this file (0600) instead of the store.
         takeover: take the writer lease even if its holder looks alive.
-        allow: the resume checks to lift (`ResumeAllowances`); the three flags below are
-            its keyword form, and what either allows is allowed.
-        allow_fallback: resume from an older version if the newest is damaged.
-        allow_generator_change: resume although the generator backend differs (I3 lost).
-        allow_device_change: resume on another device type (same noise; I3 lost).
+        allow: the resume checks to lift, each at the cost its field states
+            (`ResumeAllowances(fallback=True)`, ...); None lifts none.
         on_precompute: called as (rows done, rows in all) while coalesced embedding noise
             is precomputed (a fresh start only; a resume loads it).
         fs: an fsspec filesystem to use for the store (fault injection).
@@ -111,11 +105,7 @@ def open_job(
     keep their default handlers (the ranks would have to agree on a step to stop at).
     """
     valid.text("store_url", store_url)
-    allow = (allow or ResumeAllowances()).widened(
-        fallback=allow_fallback,
-        generator_change=allow_generator_change,
-        device_change=allow_device_change,
-    )
+    allow = allow or ResumeAllowances()
     # under torch.distributed the ranks first agree on what they were asked (nothing in
     # one process): before the calibration, whose collective only a target enters
     agree_on_request(config, store_url, key_file=key_file, storage_options=storage_options, fs=fs)

@@ -81,7 +81,7 @@ def start_job(
     keep a new job's key. Returns the store (lease held), the version to resume from, the
     key, and (single process) the trainer, built, checked and restored.
 
-    `allow` lifts resume checks (`open_job` has widened it by its keyword flags). The
+    `allow` lifts resume checks (`open_job`'s `ResumeAllowances`). The
     lease is taken inside `hold()` (`Preemption.holding`: a signal there raises once it
     is over) and the store appended to `leased` there, so the caller's record for
     release holds every lease taken, whatever stops the start.

@@ -1,10 +1,9 @@
-"""ResumeAllowances: the resume checks a user lifts, as one value; the `allow_*` keyword
-flags of `run_job`/`open_job` still work and add to it."""
+"""ResumeAllowances: the resume checks a user lifts, as one value, the only way
+`run_job`/`open_job` take them."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -21,20 +20,13 @@ def test_only_bools_are_allowed() -> None:
         ResumeAllowances(fallback=1)  # type: ignore[arg-type]
 
 
-def test_the_keyword_flags_add_to_the_allowances() -> None:
-    none = ResumeAllowances()
-    assert none.widened() == none
-    assert none.widened(device_change=True) == ResumeAllowances(device_change=True)
-    both = ResumeAllowances(fallback=True).widened(generator_change=True)
-    assert both == ResumeAllowances(fallback=True, generator_change=True)
-    assert ResumeAllowances(fallback=True).widened(fallback=False).fallback
+def test_the_old_keyword_flags_are_gone() -> None:
+    with pytest.raises(TypeError, match="allow_fallback"):
+        run_job(job_config("mlp"), "memory://never", allow_fallback=True)  # type: ignore[call-arg]
 
 
-@pytest.mark.parametrize(
-    "allowed", [{"allow": ResumeAllowances(fallback=True)}, {"allow_fallback": True}]
-)
 def test_a_damaged_newest_version_resumes_from_the_older_only_when_allowed(
-    tmp_path: Path, allowed: dict[str, Any]
+    tmp_path: Path,
 ) -> None:
     config = job_config("mlp", bands=2, steps=10)  # versions at steps 5 and 10
     url, key = str(tmp_path / "run.zarr"), str(tmp_path / "k")
@@ -45,5 +37,5 @@ def test_a_damaged_newest_version_resumes_from_the_older_only_when_allowed(
     path.write_bytes(path.read_bytes().replace(b'"step": 10', b'"step": 11', 1))
     with pytest.raises(CorruptVersionError):
         run_job(config, url, key_file=key)
-    result = run_job(config, url, key_file=key, **allowed)
+    result = run_job(config, url, key_file=key, allow=ResumeAllowances(fallback=True))
     assert result.resumed_from == 5 and result.steps_done == 10

@@ -108,7 +108,7 @@ def test_wrong_key_and_missing_key_are_refused(tmp_path: Path) -> None:
 
 def test_generator_backend_change_is_refused_unless_allowed() -> None:
     rec = {**generator_backend(), "torch": "0.0.1"}
-    with pytest.raises(GeneratorMismatchError, match="allow_generator_change"):
+    with pytest.raises(GeneratorMismatchError, match=r"ResumeAllowances\(generator_change=True\)"):
         check_generator_backend(rec)
     check_generator_backend(rec, allow_change=True)
 
