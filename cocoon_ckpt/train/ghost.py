@@ -216,16 +216,16 @@ class GhostGrads(PerSampleGrads):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One chunk: (clipped sum (dim,), per-sample losses (m,), gradient norms (m,))."""
         m = int(chunk[0].shape[0])
-        out = self._forward(chunk[:-1])
-        if not isinstance(out, torch.Tensor):
-            raise UnsupportedModelError(
-                f"clipping='ghost' takes models whose output is one tensor; "
-                f"{type(self.model).__name__} returned {type(out).__name__}; {_FIX}"
-            )
-        loss_fn = self.loss_fn
-        losses = vmap(lambda o, y: loss_fn(o.unsqueeze(0), y.unsqueeze(0)))(out, chunk[-1])
         sums: list[tuple[_Layer, dict[str, _Sum]]] = []
         try:
+            out = self._forward(chunk[:-1], m)
+            if not isinstance(out, torch.Tensor):
+                raise UnsupportedModelError(
+                    f"clipping='ghost' takes models whose output is one tensor; "
+                    f"{type(self.model).__name__} returned {type(out).__name__}; {_FIX}"
+                )
+            loss_fn = self.loss_fn
+            losses = vmap(lambda o, y: loss_fn(o.unsqueeze(0), y.unsqueeze(0)))(out, chunk[-1])
             calls = [(x, c) for x in self.layers for c in x.calls]
             for x, (_, _, o, version) in calls:
                 if o._version != version:
@@ -264,7 +264,7 @@ class GhostGrads(PerSampleGrads):
                 flat[at : at + numel].copy_(fn(scale).reshape(-1))
         return flat, losses.detach(), norms
 
-    def _forward(self, inputs: list[torch.Tensor]) -> Any:
+    def _forward(self, inputs: list[torch.Tensor], m: int) -> Any:
         """The model on one chunk, keeping every layer's calls and checking each use of
         a trainable parameter against the modules running."""
         running: list[int] = []
@@ -284,6 +284,19 @@ class GhostGrads(PerSampleGrads):
                         f"module {layer.name} ({type(mod).__name__}) returned "
                         f"{type(out).__name__}, not a tensor: its output gradient cannot be "
                         f"kept; {_FIX}"
+                    )
+                first = args[0] if args else None
+                batched = out.dim() > 0 and int(out.shape[0]) == m
+                if layer.kind != "per-sample":
+                    batched &= isinstance(first, torch.Tensor) and first.dim() > 0
+                    batched &= isinstance(first, torch.Tensor) and int(first.shape[0]) == m
+                if not batched:
+                    shape = list(first.shape) if isinstance(first, torch.Tensor) else first
+                    raise UnsupportedModelError(
+                        f"module {layer.name} ({type(mod).__name__}) was called on {shape} -> "
+                        f"{list(out.shape)} in a chunk of {m} examples: ghost clipping needs "
+                        f"the batch first in a layer's input and output (batch_first=True; "
+                        f"expand a table read without it, such as positions); {_FIX}"
                     )
                 layer.calls.append((args, kwargs, out, out._version))
 
@@ -317,8 +330,6 @@ class GhostGrads(PerSampleGrads):
             for h in handles:
                 h.remove()
         if misuse:
-            for x in self.layers:
-                x.calls.clear()
             raise UnsupportedModelError(
                 f"trainable parameter {misuse[0]} is used outside its own module's forward "
                 f"(a tied or borrowed weight): ghost clipping would miss that use in its "

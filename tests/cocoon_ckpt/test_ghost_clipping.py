@@ -236,6 +236,20 @@ def test_what_ghost_cannot_serve_is_refused_by_name() -> None:
             tables=[TableSpec(param="0.weight", data_index=0, column=0)],
         )
 
+    class Positions(nn.Module):  # a table read without the batch: per-example parts unknown
+        def __init__(self) -> None:
+            super().__init__()
+            self.pos = nn.Embedding(6, 4)
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(x + self.pos(torch.arange(6))).mean(1)
+
+    grads = GhostGrads(Positions(), loss, ["pos.weight", "head.weight", "head.bias"])
+    for _ in range(2):  # and nothing of the refused chunk is left for the next
+        with pytest.raises(UnsupportedModelError, match=r"pos \(Embedding\) was called on \[6\]"):
+            grads.clipped_sum([torch.randn(3, 6, 4), torch.randint(0, 3, (3,))], 1.0)
+
     class InPlace(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -382,3 +396,17 @@ def test_ghost_on_cuda_equals_vmap_and_repeats_its_bits(dtype: torch.dtype) -> N
     _close(a.summed, b.summed, dtype)
     again = _both(model, batch, 0.1, 5)[1]
     assert torch.equal(b.summed, again.summed)
+
+
+def test_a_layer_without_ghost_norms_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    model, batch = _case(False, 3, 4, [("scale", 0, False), ("linear", 5, True)], 6, torch.float64)
+    names = [k for k, _ in model.named_parameters()]
+    with caplog.at_level("INFO", logger="cocoon_ckpt.train.ghost"):
+        grads = GhostGrads(model, nn.functional.cross_entropy, names)
+        grads.clipped_sum(batch, 0.1, 4)
+        grads.clipped_sum(batch, 0.1, 4)
+    said = [r.getMessage() for r in caplog.records if "per-sample gradients" in r.getMessage()]
+    assert said == [
+        "ghost clipping: body.0 (Scale) take per-sample gradients of their own parameters "
+        "(ghost norms cover nn.Linear, nn.LayerNorm and nn.Embedding)"
+    ]
