@@ -37,6 +37,7 @@ class CrashPointHit(BaseException):
 _DECLARING_MODULES = (
     "cocoon_ckpt.dp.noise",
     "cocoon_ckpt.embedding.precompute",
+    "cocoon_ckpt.embedding.stored_tiles",
     "cocoon_ckpt.train.trainer",
     "cocoon_ckpt.train.checkpoint",
 )

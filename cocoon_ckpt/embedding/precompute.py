@@ -60,8 +60,9 @@ STEP_CHUNK_BYTES = 16 << 20
 
 AFTER_TILE = hooks.declare(
     "precompute.after_tile",
-    "a precompute tile's entries computed (and, with a store, its part and done-marker "
-    "durable); step = tiles this call has computed so far, tile = its index",
+    "a precompute tile's entries computed (and, with a store, handed to its writer: "
+    "precompute.tile_kept says durable); step = tiles this call has computed so far, "
+    "tile = its index",
 )
 
 #: One tile's entries: (columns, rows, values) = ((E,) int64, (E,) int64, (E, dim)).
@@ -91,8 +92,8 @@ class TileParts(Protocol):
         not of the layout `like` this tile's entries have (then it is computed again)."""
 
     def save(self, index: int, slots: np.ndarray, entries: TileEntries) -> None:
-        """Keep tile `index`'s entries durably (called in the caller's thread, once per
-        computed tile, in the order tiles finish)."""
+        """Keep tile `index`'s entries durably, now or on a writer of its own (called in
+        the caller's thread, once per computed tile, in the order tiles finish)."""
 
 
 def table_key(key: bytes, param: str) -> bytes:

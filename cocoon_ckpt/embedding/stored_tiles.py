@@ -27,23 +27,33 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from cocoon_ckpt.embedding.precompute import TileEntries, TileLayout
 from cocoon_ckpt.layout import emb_name
-from state import ArrayMeta, FencedError, Manifest, Store
+from state import ArrayMeta, FencedError, Manifest, Store, hooks
 from state.arrays import ensure_groups, read_array, write_array, written_meta
 from state.canonical_json import load_bounded
 from state.paths import SHARED, shared_path
 
-__all__ = ["PRECOMPUTE", "StoredTiles", "drop_tile_parts", "tile_digest"]
+__all__ = ["PRECOMPUTE", "TILE_KEPT", "StoredTiles", "TileWriter", "drop_tile_parts", "tile_digest"]
 
 log = logging.getLogger("cocoon_ckpt.embedding.precompute")
 
 #: Under shared/: every table's precompute parts.
 PRECOMPUTE = "precompute"
+
+TILE_KEPT = hooks.declare(
+    "precompute.tile_kept",
+    "a precompute tile's arrays and done-marker durable in the store; step = tiles kept "
+    "so far by this writer (every table's), tile = its index",
+)
 
 #: A tile's arrays: (E, 2) int64 (column, row) of each entry, and (E, dim) values.
 _ARRAYS = ("index", "values")
@@ -64,6 +74,64 @@ def tile_digest(fields: dict[str, Any], arrays: dict[str, np.ndarray]) -> str:
     return h.hexdigest()[:32]
 
 
+class TileWriter:
+    """One background thread that keeps tiles (`StoredTiles.save` hands them over), so
+    the writes and fsyncs overlap the tiles still computing, those of the next table
+    included, instead of holding up the precompute's calling thread.
+
+    The first error (a fenced writer, a storage error, a crash point) stops it: tiles
+    handed over later are dropped, `check` raises it at the next hand-over and `close`
+    at the end. Use it as a context manager around the precompute.
+    """
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="cocoon-tiles")
+        self._futures: list[Future[None]] = []
+        self._failed = threading.Event()
+        self.kept = 0
+
+    def submit(self, write: Callable[[], None]) -> None:
+        """Run `write` after the tiles handed over before (none once one failed)."""
+        self.check()
+
+        def run() -> None:
+            if self._failed.is_set():
+                return
+            try:
+                write()
+                self.kept += 1
+                hooks.point(TILE_KEPT, step=self.kept)
+            except BaseException:
+                self._failed.set()
+                raise
+
+        self._futures.append(self._pool.submit(run))
+
+    def check(self) -> None:
+        """Raise the first failure of a finished write, if any."""
+        if self._failed.is_set():
+            self._raise_first()
+
+    def _raise_first(self) -> None:
+        for fut in self._futures:
+            if fut.done() and fut.exception() is not None:
+                raise fut.exception()  # type: ignore[misc]
+
+    def close(self) -> None:
+        """Wait for every tile handed over to be kept; raise the first failure."""
+        self._pool.shutdown(wait=True)
+        self._raise_first()
+
+    def __enter__(self) -> TileWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self.close()
+        else:  # the precompute failed: keep what was handed over, raise its error
+            self._pool.shutdown(wait=True)
+
+
 class StoredTiles:
     """`TileParts` of one table kept in `store` (which must hold the writer lease).
 
@@ -71,18 +139,25 @@ class StoredTiles:
         store: the job's store.
         param: the table's parameter name.
         digest: `tile_digest` of everything that determines the table's entries.
+        writer: keep tiles on this background writer (None: in `save`'s caller).
 
     Attributes:
         loaded, computed: tiles found in the store and tiles written by this run.
+        write_seconds: time spent keeping tiles (in the caller's thread, while the
+            precompute's workers compute the next tiles).
     """
 
-    def __init__(self, store: Store, param: str, digest: str) -> None:
+    def __init__(
+        self, store: Store, param: str, digest: str, writer: TileWriter | None = None
+    ) -> None:
         self.store = store
+        self.writer = writer
         self.param = param
         self.digest = digest
         self.folder = f"{PRECOMPUTE}/{param}/{digest}"
         self.loaded = 0
         self.computed = 0
+        self.write_seconds = 0.0
         self._groups = {SHARED}  # zarr group metadata this writer already wrote
 
     def _tile(self, index: int) -> str:
@@ -157,17 +232,26 @@ class StoredTiles:
         return arr
 
     def save(self, index: int, slots: np.ndarray, entries: TileEntries) -> None:
-        """Write tile `index`'s arrays, durable, then its done-marker.
+        """Write tile `index`'s arrays, durable, then its done-marker (on the writer's
+        thread when there is one: then this raises an earlier tile's failure).
 
         Raises:
             FencedError: another writer took the store over (nothing is written).
         """
+        if self.writer is None:
+            self._save(index, slots, entries)
+            hooks.point(TILE_KEPT, step=self.computed, tile=index)
+        else:
+            self.writer.submit(lambda: self._save(index, slots, entries))
+
+    def _save(self, index: int, slots: np.ndarray, entries: TileEntries) -> None:
         lease = self.store.lease
         if lease is None:
             raise FencedError(
                 f"{self.store.url}: the precompute keeps its tiles only under the writer "
                 "lease; acquire it first"
             )
+        t0 = time.perf_counter()
         lease.check()
         tile = self._tile(index)
         backend = self.store.backend
@@ -198,6 +282,7 @@ class StoredTiles:
         data = json.dumps({**body, "sha256": _sha256(body)}, sort_keys=True).encode()
         self.store.backend.create_once(self._marker_path(index), data)
         self.computed += 1
+        self.write_seconds += time.perf_counter() - t0
 
     def _discard(self, index: int) -> None:
         backend = self.store.backend

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +19,7 @@ from cocoon_ckpt.embedding.engine import TableEngine, TablePlan
 from cocoon_ckpt.embedding.profile import choose_threshold, measure_unit_costs
 from cocoon_ckpt.embedding.schedule import AccessSchedule, table_schedule
 from cocoon_ckpt.embedding.sparse import check_tables
-from cocoon_ckpt.embedding.stored_tiles import StoredTiles, drop_tile_parts
+from cocoon_ckpt.embedding.stored_tiles import StoredTiles, TileWriter, drop_tile_parts
 from cocoon_ckpt.tiers.config import TierConfig
 
 if TYPE_CHECKING:
@@ -170,22 +172,27 @@ class EmbeddingNoise:
                 (`embedding.stored_tiles`); None: in memory only.
             job_fingerprint: the job's fingerprint, part of the tiles' digest.
         """
-        total = 0.0
-        for e in self.engines:
-            if e.needs_precompute:
-                parts = None
-                if store is not None:
-                    parts = StoredTiles(store, e.spec.param, e.tile_digest(job_fingerprint))
-                e.precompute(progress, parts)
-                total += e.precompute_seconds
-                if parts is not None:
-                    log.info(
-                        "table %s: precompute tiles loaded from the store: %d, computed: %d",
-                        e.spec.param,
-                        parts.loaded,
-                        parts.computed,
-                    )
-        return total
+        t0 = time.perf_counter()
+        kept: list[StoredTiles] = []
+        # one writer for every table: the last tiles of one are written while the next
+        # table's compute (tables of a single tile would otherwise wait on each write)
+        with TileWriter() if store is not None else contextlib.nullcontext() as writer:
+            for e in self.engines:
+                if e.needs_precompute:
+                    parts = None
+                    if store is not None:
+                        digest = e.tile_digest(job_fingerprint)
+                        parts = StoredTiles(store, e.spec.param, digest, writer)
+                        kept.append(parts)
+                    e.precompute(progress, parts)
+        for parts in kept:
+            log.info(
+                "table %s: precompute tiles loaded from the store: %d, computed: %d",
+                parts.param,
+                parts.loaded,
+                parts.computed,
+            )
+        return time.perf_counter() - t0
 
     def drop_tile_parts(self, store: Store, manifest: Manifest | None) -> bool:
         """Delete the precompute's tile parts once `manifest` (committed) holds every

@@ -24,7 +24,7 @@ from cocoon_ckpt._cli.main import main
 from cocoon_ckpt.embedding import AccessSchedule, CoalescedCSC, precompute_csc, table_noise
 from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.embedding.precompute import AFTER_TILE
-from cocoon_ckpt.embedding.stored_tiles import PRECOMPUTE, StoredTiles
+from cocoon_ckpt.embedding.stored_tiles import PRECOMPUTE, TILE_KEPT, StoredTiles, TileWriter
 from cocoon_ckpt.examples.dlrm import zipf_ids
 from cocoon_ckpt.layout import emb_name
 from fault_injection import CrashPointHit, crash_at, disarm_all, known_points
@@ -70,15 +70,15 @@ def _markers(root: Path) -> list[Path]:
     return sorted((root / "shared" / PRECOMPUTE).rglob("*.done"))
 
 
-def test_precompute_crash_point_is_known_and_drawn_where_it_fires() -> None:
-    assert AFTER_TILE in known_points()
+def test_precompute_crash_points_are_known_and_drawn_where_they_fire() -> None:
+    assert {AFTER_TILE, TILE_KEPT} <= set(known_points())
     rng = random.Random(0)
     dense = draw_schedule(job_config("dlrm"), 200, rng)
-    assert AFTER_TILE not in {p for p, _ in dense}  # no precompute there: never fires
+    assert not {AFTER_TILE, TILE_KEPT} & {p for p, _ in dense}  # no precompute: never fire
     emb = EmbeddingConfig(mode="coalesced", threat_model="final_model", hot_threshold=2)
     coalesced = draw_schedule(job_config("dlrm", embedding=emb), 200, rng)
     # at the precompute's first tile: a step could name a tile count it never reaches
-    assert {s for p, s in coalesced if p == AFTER_TILE} == {None}
+    assert {s for p, s in coalesced if p in (AFTER_TILE, TILE_KEPT)} == {None}
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -102,6 +102,23 @@ def test_stopped_precompute_resumes_from_its_tiles_bit_identical(
     third = StoredTiles(store, "emb.weight", "d" * 32)
     _same(_csc(third), whole)
     assert (third.loaded, third.computed) == (12, 0)
+
+
+def test_tiles_kept_on_a_writer_thread_resume_bit_identical(tmp_path: Path) -> None:
+    whole = _csc()
+    store = _store(tmp_path / "s.zarr")
+    crash_at(TILE_KEPT, step=4)  # raised on the writer's thread, re-raised here
+    try:
+        with pytest.raises(CrashPointHit), TileWriter() as writer:
+            _csc(StoredTiles(store, "emb.weight", "d" * 32, writer), threads=2)
+    finally:
+        disarm_all()
+    assert len(_markers(tmp_path / "s.zarr")) == 4  # the writer stopped at its failure
+    with TileWriter() as writer:
+        again = StoredTiles(store, "emb.weight", "d" * 32, writer)
+        resumed = _csc(again, threads=2)
+    _same(resumed, whole)
+    assert (again.loaded, again.computed) == (4, 12 - 4)
 
 
 def test_damaged_or_foreign_tiles_are_computed_again(
@@ -206,7 +223,8 @@ def test_sigkill_in_the_precompute_resumes_bit_identical(tmp_path: Path) -> None
     assert set(whole) == {"tables.0.weight", "tables.1.weight"}
     assert all(loaded == 0 for loaded, _ in whole.values()) and whole["tables.0.weight"][1] > 3
 
-    killed = _run(_train(run, key), {"COCOON_CRASH_AT": "precompute.after_tile:step=3"})
+    # killed on the tile writer's thread right after the 3rd tile is durable
+    killed = _run(_train(run, key), {"COCOON_CRASH_AT": "precompute.tile_kept:step=3"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert not (run / "manifests").exists() or not list((run / "manifests").iterdir())
     kept = len(_markers(run))

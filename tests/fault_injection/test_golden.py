@@ -36,7 +36,7 @@ MULTI_PROCESS_ONLY = {"checkpoint.shard_done"}
 
 # Fires only in a coalesced embedding job's precompute (this job has no tables);
 # tests/cocoon_ckpt/test_precompute_resume.py crashes there, in-process and SIGKILLed.
-PRECOMPUTE_ONLY = {"precompute.after_tile"}
+PRECOMPUTE_ONLY = {"precompute.after_tile", "precompute.tile_kept"}
 
 
 def test_cases_cover_every_known_point() -> None:
