@@ -15,6 +15,8 @@ own and computes them all. A tile is trusted only when its marker is whole (its 
 sha256), names this digest, tile and slots, and every array reads back with the
 marker's checksum; anything else is logged, deleted and computed again. Writes happen
 under the writer lease, checked before each tile: a writer that was taken over stops.
+A job's tiles are written by one `TileWriter` thread, in the order they finish, while
+the next tiles compute.
 
 The parts are the precompute's scratch, not the CSC: the first version writes the
 assembled CSC (`CoalescedCSC`, as before) and references it, and once a committed

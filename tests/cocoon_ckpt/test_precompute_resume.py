@@ -167,6 +167,9 @@ def test_a_writer_taken_over_stops_before_its_next_tile(tmp_path: Path) -> None:
     newer.acquire_lease(takeover=True)
     with pytest.raises(FencedError):
         _csc(parts)
+    # on the writer's thread: its first tile is refused, and so is the precompute
+    with pytest.raises(FencedError), TileWriter() as writer:
+        _csc(StoredTiles(store, "emb.weight", "d" * 32, writer), threads=2)
     assert len(_markers(root)) == 3  # nothing written after the takeover
 
 
