@@ -64,11 +64,23 @@ log = logging.getLogger("cocoon_ckpt.train.ghost")
 
 _FIX = "use --clipping vmap (DPConfig.clipping='vmap')"
 
-#: Functions of a parameter that carry no gradient from it (metadata, fresh tensors):
-#: a use outside its module's forward that cannot make a norm too small.
+#: Functions and properties of a parameter that carry no gradient from it (metadata,
+#: fresh tensors): a use outside its module's forward that cannot make a norm too small.
+#: A property that does carry one (`.T`, `.mT`) is checked like any other use.
 _NO_GRADIENT = frozenset(
     {
-        "__get__",
+        "shape",
+        "dtype",
+        "device",
+        "layout",
+        "ndim",
+        "is_cuda",
+        "is_leaf",
+        "requires_grad",
+        "grad",
+        "data",
+        "itemsize",
+        "nbytes",
         "size",
         "dim",
         "numel",
@@ -310,6 +322,8 @@ class GhostGrads(PerSampleGrads):
                 kwargs: dict[str, Any] | None = None,
             ) -> Any:
                 name = getattr(func, "__name__", str(func))
+                if name == "__get__":  # a property: its own name says what it reads
+                    name = str(getattr(getattr(func, "__self__", None), "__name__", name))
                 for t in () if name in _NO_GRADIENT else (*args, *(kwargs or {}).values()):
                     layer = owner.get(id(t))
                     if layer is not None and id(layer.module) not in running:

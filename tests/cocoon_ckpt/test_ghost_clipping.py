@@ -222,6 +222,16 @@ def test_what_ghost_cannot_serve_is_refused_by_name() -> None:
             [torch.randn(3, 4), torch.randint(0, 4, (3,))], 1.0
         )
 
+    class Transposed(Borrowed):  # through a property that carries the gradient
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            assert self.a.weight.shape == (4, 4)  # metadata: no gradient, not refused
+            return self.a(x) @ self.a.weight.T
+
+    with pytest.raises(UnsupportedModelError, match=r"a.weight \(in T\) is used outside"):
+        GhostGrads(Transposed(), loss, ["a.weight", "a.bias"]).clipped_sum(
+            [torch.randn(3, 4), torch.randint(0, 4, (3,))], 1.0
+        )
+
     with pytest.raises(UnsupportedModelError, match=r"embedding 0 has max_norm set"):
         GhostGrads(nn.Sequential(nn.Embedding(5, 2, max_norm=1.0)), loss, ["0.weight"])
     emb = nn.Sequential(nn.Embedding(5, 2))
