@@ -15,7 +15,8 @@ import stat
 
 from cocoon_ckpt.errors import NoiseKeyError
 from cocoon_ckpt.layout import KEY_SECRET
-from state import Store
+from state import Manifest, Store, StoreError
+from state.paths import manifest_path
 from state.root import enclosing_store
 
 __all__ = [
@@ -26,6 +27,8 @@ __all__ = [
     "key_location",
     "load_key",
     "manifest_mac_key",
+    "sealed_under",
+    "wrong_key",
     "new_key",
     "read_key_file",
     "save_key",
@@ -45,6 +48,50 @@ def manifest_mac_key(key: bytes) -> bytes:
     nothing of the noise key, and no other use of the key (its id, the noise) can stand
     in for it."""
     return hashlib.blake2b(b"", key=key, person=b"cc-manifest-key", digest_size=32).digest()
+
+
+def sealed_under(store: Store, key: bytes, *, below: int | None = None) -> int | None:
+    """The newest version of `store` (older than `below`, when given) whose MACs verify
+    under the job's `key` (read here without the store's own authentication), or None.
+    An unsealed version newer than a sealed one had its MACs stripped: a format-4
+    writer seals every version it commits, and a store written before format 4 is
+    sealed from its first resume on."""
+    mac_key = manifest_mac_key(key)
+    for v in reversed(store.versions()):
+        if below is not None and v >= below:
+            continue
+        try:
+            data = store.backend.read_bytes(manifest_path(v))
+            m = Manifest.from_bytes(data, version=v, where=store.url)
+            if m.sealed:
+                m.authenticate(mac_key, where=store.url)
+                return v
+        except (OSError, StoreError):
+            continue
+    return None
+
+
+def wrong_key(store: Store, key: bytes) -> NoiseKeyError | None:
+    """Why versions fail their MACs under `key` when it is another job's key: no version
+    verifies under it, and the newest readable version names another `key_id`. None
+    when some version verifies (the key is the job's: a failing version is forged) or
+    nothing says the key differs."""
+    if sealed_under(store, key) is not None:
+        return None
+    for v in reversed(store.versions()):
+        try:
+            data = store.backend.read_bytes(manifest_path(v))
+            stored = Manifest.from_bytes(data, version=v, where=store.url).records.get("key_id")
+        except (OSError, StoreError):
+            continue
+        if stored == key_id(key):
+            return None
+        return NoiseKeyError(
+            f"{store.url}: the noise key given does not match the key of version {v} (key "
+            f"id {key_id(key)}, the version's {stored}) and no version verifies under it: "
+            "it is another job's key. Use the job's own key (--key-file / key_file=)"
+        )
+    return None
 
 
 def new_key() -> bytes:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -131,11 +132,29 @@ def _main(argv: Sequence[str] | None) -> int:
     except Exception as exc:
         if args.log_level == "DEBUG":
             traceback.print_exc()
-        text = message(exc)
+        text = _cli_words(message(exc), args.command)
         if args.command == "train" and getattr(args, "config", None) is None:
             text = flag_words(text)  # the user typed flags: name the flags, not fields
         print(f"cocoon-ckpt: error: {text}", file=sys.stderr)
         return exit_code(exc)
+
+
+#: The commands that take `--allow-fallback`, which the store layer's messages name as
+#: the API's `allow_fallback=True`.
+_FALLBACK_FLAG = {"train": "--allow-fallback"}
+
+
+def _cli_words(text: str, command: str) -> str:
+    """`text` with the API's keywords named as `command`'s flags (the store layer says
+    `open with allow_fallback=True`; `train` takes `--allow-fallback`). Where the command
+    has no such flag, the hint is dropped from the line rather than naming one."""
+    if "open with allow_fallback=True to use version" in text:
+        flag = _FALLBACK_FLAG.get(command)
+        if flag is None:
+            text = re.sub(r"; open with allow_fallback=True to use version \d+", "", text)
+        else:
+            text = text.replace("open with allow_fallback=True", f"rerun with {flag}")
+    return text
 
 
 def _check_urls(args: argparse.Namespace) -> None:

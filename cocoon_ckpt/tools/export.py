@@ -22,13 +22,13 @@ from cocoon_ckpt._state_dict import plain_keys
 from cocoon_ckpt.dp.accountant import AccountingMethod
 from cocoon_ckpt.dp.accounting import epsilon_of_run
 from cocoon_ckpt.errors import CocoonError, ConfigError
-from cocoon_ckpt.keys import load_key, manifest_mac_key, read_key_file
+from cocoon_ckpt.keys import load_key, manifest_mac_key, read_key_file, sealed_under, wrong_key
 from cocoon_ckpt.layout import KEY_SECRET, THREAT_MODEL_DEFAULT
 from cocoon_ckpt.tools.guarantee import describe
 from cocoon_ckpt.train import config as cfgmod
 from cocoon_ckpt.train.config import JobConfig
 from cocoon_ckpt.train.stored import model_state, read_config
-from state import CorruptVersionError, Store, StoreError, Version
+from state import CorruptVersionError, Store, StoreError, UnauthenticatedVersionError, Version
 from state.paths import manifest_path
 
 __all__ = ["REPORT_SUFFIX", "ExportPathError", "export_model", "read_config"]
@@ -207,7 +207,19 @@ def export_model(
     key = _key(store, key_file)
     if key is not None:
         store.authenticate_with(manifest_mac_key(key), require=not allow_unauthenticated)
-    latest = store.latest()
+    try:
+        latest = store.latest()
+    except CorruptVersionError as exc:
+        wrong = wrong_key(store, key) if key is not None else None
+        if wrong is not None:
+            raise wrong from None
+        stripped = key is not None and sealed_under(store, key, below=exc.version) is not None
+        if isinstance(exc, UnauthenticatedVersionError) and not stripped:
+            exc.args = (
+                f"{exc}; if cocoon-ckpt before store format 4 wrote it and no one else can "
+                "write the store, pass --allow-unauthenticated (export_model(allow_unauthenticated=True))",
+            )
+        raise
     if latest is None:
         raise StoreError(f"{store_url} has no committed version to export; run the job first")
     rec = latest.records
@@ -226,18 +238,21 @@ def export_model(
         raise _damaged(latest, f"recorded fingerprint {rec.get('fingerprint')} is not {fp}")
     finished = done == planned
     tm = rec.get("threat_model", THREAT_MODEL_DEFAULT)
-    authenticated = key is not None and latest.manifest.sealed
-    if tm == "final_model" and not authenticated:
-        raise StoreError(
-            f"{store_url}: threat model final_model, and version {latest.version} is not "
-            "authenticated by the job's key (pass --key-file / key_file=), so its step count "
-            "cannot be trusted to say the job finished: export refuses to release it"
-        )
     if tm == "final_model" and not finished:
         raise StoreError(
             f"{store_url}: threat model final_model and the job is at step {done} of "
             f"{planned}: cold embedding rows of an unfinished job lack their pending noise, "
             "so this model must not be released. Finish the job, then export"
+        )
+    # A key kept in the store vouches against corruption only: whoever can write the
+    # store can plant a key there and re-seal every version with it.
+    authenticated = key_file is not None and latest.manifest.sealed
+    if tm == "final_model" and not authenticated:
+        raise StoreError(
+            f"{store_url}: threat model final_model, and version {latest.version} is not "
+            "authenticated by a key file kept apart from the store (pass --key-file / "
+            "key_file=; a key in the store can be planted by its writers), so its step "
+            "count cannot be trusted to say the job finished: export refuses to release it"
         )
     if not finished and not allow_incomplete:
         raise StoreError(
@@ -294,11 +309,12 @@ def export_model(
         "fingerprint": fp,
         "authenticated": authenticated,
         "authenticated_means": (
-            "the version's MACs verified under the job's key: its records are the job's own"
+            "the version's MACs verified under the key file given: its records are the job's own"
             if authenticated
-            else "not verified with the job's key (none given, or a version written before "
-            "store format 4): only unkeyed checksums vouch for the records, which anyone who "
-            "can write the store can recompute"
+            else "not verified with a key file kept apart from the store (none given, the key "
+            "kept in the store, or a version written before store format 4): only what the "
+            "store itself holds vouches for the records, and anyone who can write the store "
+            "can recompute that"
         ),
     }
     _write_pair(model, report, out)

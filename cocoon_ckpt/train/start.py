@@ -17,7 +17,6 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
-from cocoon_ckpt.errors import NoiseKeyError
 from cocoon_ckpt.keys import (
     check_key_file_place,
     key_id,
@@ -25,6 +24,8 @@ from cocoon_ckpt.keys import (
     manifest_mac_key,
     new_key,
     save_key,
+    sealed_under,
+    wrong_key,
 )
 from cocoon_ckpt.train.allowances import ResumeAllowances
 from cocoon_ckpt.train.build import check_parts, job_parts
@@ -41,7 +42,6 @@ from cocoon_ckpt.train.resume import check_records, prepare_trainer
 from cocoon_ckpt.train.trainer import DPTrainer
 from state import (
     CorruptVersionError,
-    Manifest,
     Store,
     StoreError,
     StoreNotFoundError,
@@ -149,45 +149,57 @@ def authenticate(store: Store, key: bytes, allow: ResumeAllowances) -> None:
 def _newest(store: Store, key: bytes, allow: ResumeAllowances) -> Version | None:
     """The version a resume continues, its manifest authenticated (`authenticate`)."""
     try:
-        return store.latest(allow_fallback=allow.fallback)
+        latest = store.latest(allow_fallback=allow.fallback)
     except UnauthenticatedVersionError as exc:
-        exc.args = (
-            f"{exc}; if cocoon-ckpt before store format 4 wrote it and no one else can "
-            "write the store, resume once with --allow-unauthenticated "
-            "(ResumeAllowances(unauthenticated=True)): the versions after it are "
-            "authenticated",
-        )
+        sealed = sealed_under(store, key, below=exc.version)
+        if sealed is not None:  # a format-4 writer seals every version it commits
+            exc.args = (
+                f"{exc}: version {sealed} of this store is sealed under the job's key, so "
+                "this one's MACs were stripped; it is refused. Audit the store "
+                "(cocoon-ckpt audit --key-file K) and resume with --allow-fallback from the "
+                "newest version that verifies",
+            )
+        else:
+            exc.args = (
+                f"{exc}; if cocoon-ckpt before store format 4 wrote it and no one else can "
+                "write the store, resume once with --allow-unauthenticated "
+                "(ResumeAllowances(unauthenticated=True)): the versions after it are sealed",
+            )
         raise
     except CorruptVersionError:  # a MAC failed (or every version did, with fallback)
-        _check_key_id(store, key)
+        wrong = wrong_key(store, key)
+        if wrong is not None:
+            raise wrong from None
         raise
-
-
-def _check_key_id(store: Store, key: bytes) -> None:
-    """A MAC that fails because the key given is another job's says so: the newest
-    manifest's `key_id`, read without authentication (only to word the refusal).
-
-    Raises:
-        NoiseKeyError: the newest version was written under another key.
-    """
-    newest = store.versions()[-1]
-    try:
-        data = store.backend.read_bytes(manifest_path(newest))
-        stored = Manifest.from_bytes(data, version=newest, where=store.url).records.get("key_id")
-    except (OSError, StoreError):
-        return
-    if stored != key_id(key):
-        raise NoiseKeyError(
-            f"{store.url}: the noise key given does not match the key of version {newest} "
-            f"(key id {key_id(key)}, the version's {stored}); resuming would add unrelated "
-            "noise. Use the job's own key (--key-file / key_file=)"
-        ) from None
+    if latest is not None and not latest.manifest.sealed:
+        sealed = sealed_under(store, key, below=latest.version)
+        if sealed is not None:  # allowed unauthenticated, but certainly stripped
+            raise UnauthenticatedVersionError(
+                f"version {latest.version} of {store.url} carries no MAC while version "
+                f"{sealed} is sealed under the job's key: its MACs were stripped, and "
+                "--allow-unauthenticated does not accept a stripped version. Audit the store "
+                "and resume with --allow-fallback from a version that verifies",
+                version=latest.version,
+                path=manifest_path(latest.version),
+                record="header",
+            )
+    return latest
 
 
 def _job_key(store: Store | None, key_file: str | None, *, resuming: bool) -> bytes:
     """The job's key, read but not yet written: the key a start finds (`found_key`), or a
     new one that `save_key` keeps once every check has passed."""
     key = found_key(store, key_file, resuming=resuming)
+    if key is not None and store is None and key_file is not None:
+        # A new store under a key another store may hold: the two draw the same noise,
+        # which cancels between their models. Right for comparing runs bit for bit;
+        # wrong for two jobs whose models are released.
+        log.warning(
+            "key file %s exists: this new store will draw the same noise as any other "
+            "store made with it; give each job its own key file unless you are comparing "
+            "runs",
+            key_file,
+        )
     return key if key is not None else new_key()
 
 

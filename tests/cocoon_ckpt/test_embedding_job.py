@@ -158,13 +158,16 @@ def test_lr_schedule_is_exact(tmp_path: Path) -> None:
 
 
 def test_unfinished_final_model_job_is_not_exported(tmp_path: Path) -> None:
-    store = str(tmp_path / "s")
-    run_job(_config(), store, stop_after=5)
+    store, key = str(tmp_path / "s"), str(tmp_path / "k")
+    run_job(_config(), store, key_file=key, stop_after=5)
     with pytest.raises(StoreError, match="final_model.*must not be released"):
-        export_model(store, str(tmp_path / "m.pt"), allow_incomplete=True)
-    run_job(_config(), store)
-    report = export_model(store, str(tmp_path / "m.pt"))
-    assert report["threat_model"] == "final_model"
+        export_model(store, str(tmp_path / "m.pt"), allow_incomplete=True, key_file=key)
+    run_job(_config(), store, key_file=key)
+    # finished, but without the key file its step count is not authenticated
+    with pytest.raises(StoreError, match="not authenticated by a key file kept apart"):
+        export_model(store, str(tmp_path / "m.pt"))
+    report = export_model(store, str(tmp_path / "m.pt"), key_file=key)
+    assert report["threat_model"] == "final_model" and report["source"]["authenticated"]
 
 
 def test_resume_with_another_threat_model_or_mode_is_refused(tmp_path: Path) -> None:

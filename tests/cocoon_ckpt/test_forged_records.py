@@ -111,14 +111,9 @@ def test_edited_accountant_steps_are_refused_on_resume(
     if keep_macs:
         assert "version 2 of" in line and "record 'accountant'" in line
         assert "fails its MAC under the job's key" in line
-    else:
-        assert "carries no MAC" in line and "--allow-unauthenticated" in line
+    else:  # version 1 is sealed: version 2's MACs were certainly stripped
+        assert "carries no MAC" in line and "MACs were stripped; it is refused" in line
     assert _tree(store) == before
-    if not keep_macs:  # allowed unauthenticated: the steps are derived, not trusted
-        run = _cli(*TRAIN, "--store", str(store), "--key-file", str(key), "--allow-unauthenticated")
-        assert run.returncode == 1, run.stderr
-        assert "accountant.steps=16, the version is at step 8" in run.stderr
-        assert _tree(store) == before
 
 
 def test_a_store_written_before_format_4_resumes_once_allowed_bit_identically(
@@ -185,4 +180,91 @@ def test_a_removed_identity_record_is_refused_not_skipped(crashed: tuple[Path, P
     run = _cli(*TRAIN, "--store", str(store), "--key-file", str(key))
     assert run.returncode == 1, run.stderr
     assert "the identity record is missing from a sealed version" in run.stderr
+    assert _tree(store) == before
+
+
+def _triple_sigma(doc: dict[str, Any]) -> str:
+    doc["records"]["config"]["dp"]["noise_multiplier"] *= 3
+    return "sigma tripled"
+
+
+def test_audit_reports_the_privacy_of_the_newest_version_that_verifies(
+    finished: tuple[Path, Path], tmp_path: Path
+) -> None:
+    store = tmp_path / "s.zarr"
+    shutil.copytree(finished[0], store)
+    clean = _cli("audit", str(finished[0]), "--key-file", str(finished[1]), "--json")
+    _forge(store, 3, True, _triple_sigma)
+    run = _cli("audit", str(store), "--key-file", str(finished[1]), "--json")
+    assert run.returncode == 1, run.stderr
+    got, want = json.loads(run.stdout), json.loads(clean.stdout)
+    assert [f["version"] for f in got["findings"] if f["check"] == "authentication"] == [3]
+    # reported from version 2 (step 8), the newest the key vouches for, not the forgery
+    assert got["info"]["privacy"]["noise_multiplier"] == want["info"]["privacy"]["noise_multiplier"]
+    assert got["info"]["privacy"]["steps"] == 8
+
+
+def test_a_stripped_version_above_a_sealed_one_is_refused_even_when_allowed(
+    crashed: tuple[Path, Path],
+) -> None:
+    store, key = crashed
+    _forge(store, 2, False, lambda doc: "MACs stripped")  # version 1 stays sealed
+    before = _tree(store)
+    for extra in ((), ("--allow-unauthenticated",)):
+        run = _cli(*TRAIN, "--store", str(store), "--key-file", str(key), *extra)
+        assert run.returncode == 1, (extra, run.stderr)
+        assert "MACs were stripped" in run.stderr, (extra, run.stderr)
+        assert "--allow-unauthenticated (" not in run.stderr
+        assert _tree(store) == before
+
+
+def test_a_forged_key_id_is_a_forgery_not_a_wrong_key(crashed: tuple[Path, Path]) -> None:
+    store, key = crashed
+
+    def other_id(doc: dict[str, Any]) -> str:
+        doc["records"]["key_id"] = "0" * 16
+        return "key_id replaced"
+
+    _forge(store, 2, True, other_id)
+    run = _cli(*TRAIN, "--store", str(store), "--key-file", str(key))
+    assert run.returncode == 1, run.stderr
+    assert "record 'key_id'" in run.stderr and "fails its MAC" in run.stderr
+    assert "another job's key" not in run.stderr
+
+
+def test_a_key_planted_in_the_store_does_not_authenticate_an_export(
+    finished: tuple[Path, Path], tmp_path: Path
+) -> None:
+    store = tmp_path / "s.zarr"
+    shutil.copytree(finished[0], store)
+    planted = os.urandom(32)
+    (store / "secret").mkdir(mode=0o700)
+    (store / "secret" / "noise.key").write_bytes(planted)
+    (store / "secret" / "noise.key").chmod(0o600)
+    (tmp_path / "planted").write_bytes(planted)
+    for v in (1, 2, 3):  # every version re-sealed under the planted key
+        path = store / manifest_path(v)
+        path.write_bytes(reseal(json.loads(path.read_bytes()), tmp_path / "planted"))
+    out = tmp_path / "m.pt"
+    run = _cli("export", str(store), "--out", str(out), "--json")
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["source"]["authenticated"] is False
+    # with the job's own key file, every version is refused and the key is not blamed
+    refused = _cli(
+        "export", str(store), "--out", str(tmp_path / "n.pt"), "--key-file", str(finished[1])
+    )
+    assert refused.returncode == 1, refused.stderr
+    assert "fails its MAC" in refused.stderr
+
+
+def test_an_old_stores_edited_accountant_steps_are_derived_not_trusted(
+    crashed: tuple[Path, Path],
+) -> None:
+    store, key = crashed
+    _forge(store, 1, False, lambda doc: "as written before format 4")
+    _forge(store, 2, False, _double_accountant_steps)
+    before = _tree(store)
+    run = _cli(*TRAIN, "--store", str(store), "--key-file", str(key), "--allow-unauthenticated")
+    assert run.returncode == 1, run.stderr
+    assert "accountant.steps=16, the version is at step 8" in run.stderr
     assert _tree(store) == before

@@ -71,7 +71,7 @@ def test_a_fifo_manifest_is_named_by_every_command_and_worked_around(
     )
     assert run.returncode == 1 and run.stderr.count("\n") == 1, run.stderr
     assert said in run.stderr and fifo in run.stderr
-    assert "allow_fallback=True to use version 1" in run.stderr
+    assert "rerun with --allow-fallback to use version 1" in run.stderr
 
     code, out, err = _main(capsys, "inspect", str(store))
     assert code == 0 and "versions [2] fail to verify" in out, out + err

@@ -45,11 +45,13 @@ def _cmd(
 
 
 def _export(
-    store: Path | str, out: Path, opts: dict[str, Any] | None = None
+    store: Path | str, out: Path, key: Path, opts: dict[str, Any] | None = None
 ) -> dict[str, torch.Tensor]:
     """`cocoon-ckpt export` through the CLI's own entry point, in this process (the
-    killed processes are the subjects; the export is not)."""
-    extra = ["--storage-options", json.dumps(opts)] if opts else []
+    killed processes are the subjects; the export is not), authenticated by the key file
+    (a final_model job is exported only so)."""
+    extra = ["--key-file", str(key)]
+    extra += ["--storage-options", json.dumps(opts)] if opts else []
     assert main(["export", str(store), "--out", str(out), *extra]) == 0
     return torch.load(out)  # type: ignore[no-any-return]
 
@@ -75,7 +77,7 @@ class Gold:
             store = self.root / f"{name}.zarr"
             cmd = _cmd(store, self.key, example, bands, embedding=embedding, mechanism=mechanism)
             assert main(cmd[3:]) == 0
-            self._models[name] = _export(store, self.root / f"{name}.pt")
+            self._models[name] = _export(store, self.root / f"{name}.pt", self.key)
         return self._models[name]
 
 
@@ -148,7 +150,7 @@ def test_sigkill_anywhere_then_resume_matches_uninterrupted(
         break
     else:
         pytest.fail("the job never finished")
-    got = _export(store, tmp_path / "got.pt")
+    got = _export(store, tmp_path / "got.pt", gold.key)
     want = gold.model(example, bands, embedding, mechanism)
     assert all(torch.equal(want[k], got[k]) for k in want), f"after kills at {kills}"
     versions = Store.open(str(store), create=False)
@@ -184,6 +186,6 @@ def test_sigkill_on_s3_then_resume_matches_uninterrupted(
     # this process listed the store before the other processes wrote to it; fsspec
     # shares one cached S3 filesystem per process, so drop its listings first
     Store.open(url, storage_options=opts, create=False).backend.fs.invalidate_cache()
-    got = _export(url, tmp_path / "got.pt", opts)
+    got = _export(url, tmp_path / "got.pt", key, opts)
     want = gold.model("mlp", 8)
     assert all(torch.equal(want[k], got[k]) for k in want)

@@ -8,7 +8,7 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from cocoon_ckpt.keys import load_key, manifest_mac_key
+from cocoon_ckpt.keys import load_key, manifest_mac_key, wrong_key
 from cocoon_ckpt.tools.audit.arrays import check_checksums, check_store_bounds
 from cocoon_ckpt.tools.audit.chain import check_chain
 from cocoon_ckpt.tools.audit.embedding import check_embedding
@@ -31,25 +31,34 @@ __all__ = ["audit_store"]
 
 def _check_macs(
     store: Store, manifests: dict[int, Manifest], key: bytes, report: AuditReport
-) -> None:
+) -> list[int]:
     """Every version's MACs under the job's key: a forged record is named; a version
-    without MACs (written before store format 4, or stripped: the audit cannot tell
-    which) is a finding too, since only the unkeyed checksums vouch for it."""
+    without MACs is a finding too, since only the unkeyed checksums vouch for it
+    (written before store format 4, or stripped: certainly stripped when an older
+    version is sealed). A key under which no version verifies and whose id is not the
+    store's is named once as another job's key. Returns the versions that verify."""
+    wrong = wrong_key(store, key)
+    if wrong is not None:
+        report.add("key", str(wrong))
+        report.info["authenticated_versions"] = []
+        return []
     mac_key = manifest_mac_key(key)
-    sealed = []
+    sealed: list[int] = []
     for v, m in sorted(manifests.items()):
         try:
             m.authenticate(mac_key, where=store.url)
             sealed.append(v)
         except UnauthenticatedVersionError as exc:
-            report.add(
-                "authentication",
-                f"{exc}; anyone who can write the store could have written it",
-                v,
+            why = (
+                f"version {sealed[-1]} before it is sealed, so its MACs were stripped"
+                if sealed
+                else "anyone who can write the store could have written it"
             )
+            report.add("authentication", f"{exc}; {why}", v)
         except ForgedVersionError as exc:
             report.add("authentication", str(exc), v)
     report.info["authenticated_versions"] = sealed
+    return sealed
 
 
 def _job_parts(job: str | Callable[..., JobParts], config_record: dict[str, Any]) -> JobParts:
@@ -127,7 +136,12 @@ def audit_store(
     newest = manifests[max(manifests)]
     rec = newest.records
     key = load_key(store, key_file)
-    _check_macs(store, manifests, key, report)
+    sealed = _check_macs(store, manifests, key, report)
+    if sealed and newest.version not in sealed:
+        # what the audit reports of the job (privacy, epsilon, embedding) comes from the
+        # newest version the key vouches for, never from one it found forged
+        newest = manifests[max(sealed)]
+        rec = newest.records
     bounds = check_store_bounds(store, manifests, report)
     check_checksums(store, manifests, bounds, report)
     _guard(report, "accountant", lambda: check_records(manifests, bounds, report))
