@@ -190,16 +190,6 @@ def _job_key(store: Store | None, key_file: str | None, *, resuming: bool) -> by
     """The job's key, read but not yet written: the key a start finds (`found_key`), or a
     new one that `save_key` keeps once every check has passed."""
     key = found_key(store, key_file, resuming=resuming)
-    if key is not None and store is None and key_file is not None:
-        # A new store under a key another store may hold: the two draw the same noise,
-        # which cancels between their models. Right for comparing runs bit for bit;
-        # wrong for two jobs whose models are released.
-        log.warning(
-            "key file %s exists: this new store will draw the same noise as any other "
-            "store made with it; give each job its own key file unless you are comparing "
-            "runs",
-            key_file,
-        )
     return key if key is not None else new_key()
 
 

@@ -56,6 +56,27 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.fixture(scope="module")
+def threads_matter() -> bool:
+    """Whether 1 and 2 torch threads give other bits for the MLP's clipped sums at the
+    batch sizes the job draws on this machine. They do on some CPUs (the GEMMs block by
+    thread count) and not on others (seen: an Intel Xeon where 1-4 threads agree at every
+    size): the record's premise is the machine's, so the tests assert what it does."""
+    tr = build_trainer(CFG, KEY)
+    try:
+        for m in range(5, 12):
+            batch = tr.data.gather(torch.arange(m))
+            sums = []
+            for n in (1, 2):
+                with fixed_threads(n):
+                    sums.append(tr.grads.clipped_sum(batch, CFG.dp.max_grad_norm).summed)
+            if not torch.equal(*sums):
+                return True
+        return False
+    finally:
+        tr.close()
+
+
 def _gold(tmp_path: Path) -> tuple[str, dict[str, torch.Tensor]]:
     key = str(tmp_path / "k")
     with fixed_threads(2):
@@ -63,16 +84,16 @@ def _gold(tmp_path: Path) -> tuple[str, dict[str, torch.Tensor]]:
     return key, _params(str(tmp_path / "gold.zarr"))
 
 
-def test_one_and_two_threads_give_other_gradient_bits() -> None:
-    """The premise: unpinned, the thread count changes a 7-example clipped sum; the
-    trainer's pinned path gives its count's bits on a process at another count."""
+def test_the_pinned_count_gives_its_bits_on_a_process_at_another_count() -> None:
+    """The trainer's pinned path gives its count's bits on a process at another count,
+    and restores the process's count after the gradients."""
     tr = build_trainer(CFG, KEY)
     batch = tr.data.gather(torch.arange(7))
     sums = {}
     for n in (1, 2):
         with fixed_threads(n):
             sums[n] = tr.grads.clipped_sum(batch, CFG.dp.max_grad_norm).summed
-    assert not torch.equal(sums[1], sums[2])
+    # the premise (other bits per thread count) is the machine's: `threads_matter`
     for pinned, other in ((1, 2), (2, 1)):
         tr.grad_threads = pinned
         with fixed_threads(other):
@@ -102,7 +123,10 @@ def test_resume_on_one_thread_in_a_fresh_process_is_bit_identical(tmp_path: Path
 
 
 def test_old_store_resumes_at_the_current_count_and_records_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    threads_matter: bool,
 ) -> None:
     """A store written before the record resumes at this process's count, as before it
     existed: on one thread its parameters leave the 2-thread run's, which is what the
@@ -124,7 +148,8 @@ def test_old_store_resumes_at_the_current_count_and_records_it(
     with fixed_threads(1):
         run_job(CFG, url, key_file=key)
     assert not caplog.records  # nothing restored, nothing to say
-    assert not _same(_params(url), gold)
+    # other bits exactly where this machine's thread count changes them
+    assert _same(_params(url), gold) is not threads_matter
     store = Store.open(url, create=False)
     assert records_of(store.latest())["grad_threads"] == 1  # type: ignore[arg-type]
 
@@ -201,7 +226,7 @@ def test_the_cli_records_its_count_and_refuses_a_bad_one(tmp_path: Path) -> None
     bad = subprocess.run(
         [*base, "--store", str(store), "--grad-threads", "0"], capture_output=True, text=True
     )
-    assert bad.returncode == 2 and "grad_threads" in bad.stderr and bad.stderr.count("\n") == 1
+    assert bad.returncode == 2 and "--grad-threads 0" in bad.stderr and bad.stderr.count("\n") == 1
     assert not store.exists() and not key.exists()
     ok = subprocess.run(
         [*base, "--store", str(store), "--grad-threads", "1"], capture_output=True, text=True

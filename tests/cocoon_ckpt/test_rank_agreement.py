@@ -86,7 +86,7 @@ def _key(path: Path) -> str:
 _FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
     "clip": (("--clip", "50"), "dp.max_grad_norm: rank 0 1.0, rank 1 50.0"),
     "seed": (("--seed", "7"), "dp.seed: rank 0 0, rank 1 7"),
-    "sigma": (("--noise-multiplier", "0.1"), "dp.noise_multiplier: rank 0 1.0, rank 1 0.1"),
+    "sigma": (("--noise-multiplier", "0.5"), "dp.noise_multiplier: rank 0 1.0, rank 1 0.5"),
     "steps": (("--steps", "8"), "dp.steps: rank 0 6, rank 1 8"),
     # a target on rank 1 alone: refused before the calibration, which only it would enter
     "target": (
