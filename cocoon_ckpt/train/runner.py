@@ -117,9 +117,15 @@ def run_job(
         on_precompute=on_precompute,
         fs=fs,
     ) as job:
-        for res in job.steps(until=stop_after):
-            if on_step is not None:
-                on_step(res, job.trainer)
+        try:
+            for res in job.steps(until=stop_after):
+                if on_step is not None:
+                    on_step(res, job.trainer)
+        except RuntimeError as exc:  # a worker's death torch raised in this loop's body
+            named = job.worker_failure(exc)
+            if named is None:
+                raise
+            raise named from exc
         last = job.wait()
         result = RunResult(
             steps_done=job.step,

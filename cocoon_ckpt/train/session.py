@@ -217,6 +217,9 @@ class JobSession:
         self._preempt = preempt
         self._coordinator = coordinator
         self._active: Generator[StepResult, None, None] | None = None
+        #: the batches of the steps now running (a DataLoader worker's death is named
+        #: from them: `worker_failure`)
+        self._watched: WorkerWatch | None = None
         self._closed = False
         self._stopped = False  # a PreemptedError was raised for the noted signal
         # the precompute's tile parts, until a committed version holds the CSC
@@ -278,7 +281,7 @@ class JobSession:
         trainer = self.trainer
         if trainer.step_index >= limit:
             return
-        batches = self._batches(limit)
+        batches = self._watched = self._batches(limit)
         try:
             while trainer.step_index < limit:
                 self._stop_if_preempted()
@@ -323,6 +326,15 @@ class JobSession:
             if failure is None:
                 raise
             raise self._worker_error(failure) from exc
+
+    def worker_failure(self, exc: BaseException) -> DataWorkerError | None:
+        """A DataLoader worker's death that torch raised in the caller's loop body
+        (from its SIGCHLD handler, wherever the main thread was when it came), named as
+        the job's own steps name it; None when `exc` is something else."""
+        if self._watched is None or isinstance(exc, DataWorkerError):
+            return None
+        failure = self._watched.failure(exc)
+        return None if failure is None else self._worker_error(failure)
 
     def _worker_error(self, exc: DataWorkerError) -> DataWorkerError:
         return DataWorkerError(
