@@ -27,6 +27,7 @@ __all__ = [
     "key_location",
     "load_key",
     "manifest_mac_key",
+    "tile_mac_key",
     "sealed_under",
     "wrong_key",
     "new_key",
@@ -48,6 +49,13 @@ def manifest_mac_key(key: bytes) -> bytes:
     nothing of the noise key, and no other use of the key (its id, the noise) can stand
     in for it."""
     return hashlib.blake2b(b"", key=key, person=b"cc-manifest-key", digest_size=32).digest()
+
+
+def tile_mac_key(key: bytes) -> bytes:
+    """The key that MACs the embedding precompute's kept tiles (`embedding.stored_tiles`),
+    derived from the noise key under its own personalisation, apart from the
+    manifests' (`manifest_mac_key`)."""
+    return hashlib.blake2b(b"", key=key, person=b"cc-precomp-tile", digest_size=32).digest()
 
 
 def sealed_under(store: Store, key: bytes, *, below: int | None = None) -> int | None:

@@ -20,6 +20,7 @@ from cocoon_ckpt.embedding.profile import choose_threshold, measure_unit_costs
 from cocoon_ckpt.embedding.schedule import AccessSchedule, table_schedule
 from cocoon_ckpt.embedding.sparse import check_tables
 from cocoon_ckpt.embedding.stored_tiles import StoredTiles, TileWriter, drop_tile_parts
+from cocoon_ckpt.keys import tile_mac_key
 from cocoon_ckpt.tiers.config import TierConfig
 
 if TYPE_CHECKING:
@@ -82,6 +83,7 @@ class EmbeddingNoise:
     ) -> None:
         check_tables(model, config.tables, data)
         self.config = config
+        self._tile_mac_key = tile_mac_key(key)  # the kept precompute tiles' MACs
         self.optimizer = optimizer
         self.batch_size = batch_size
         self.steps = len(batches)
@@ -182,7 +184,9 @@ class EmbeddingNoise:
                     parts = None
                     if store is not None:
                         digest = e.tile_digest(job_fingerprint)
-                        parts = StoredTiles(store, e.spec.param, digest, writer)
+                        parts = StoredTiles(
+                            store, e.spec.param, digest, writer, mac_key=self._tile_mac_key
+                        )
                         kept.append(parts)
                     e.precompute(progress, parts)
         for parts in kept:

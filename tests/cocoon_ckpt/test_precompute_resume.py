@@ -6,6 +6,8 @@ writer that was taken over stops; the parts go once a version holds the CSC."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import random
@@ -23,18 +25,21 @@ from cocoon_ckpt import BandMF
 from cocoon_ckpt._cli.main import main
 from cocoon_ckpt.embedding import AccessSchedule, CoalescedCSC, precompute_csc, table_noise
 from cocoon_ckpt.embedding.config import EmbeddingConfig
-from cocoon_ckpt.embedding.precompute import AFTER_TILE
+from cocoon_ckpt.embedding.precompute import AFTER_TILE, TileLayout
 from cocoon_ckpt.embedding.stored_tiles import PRECOMPUTE, TILE_KEPT, StoredTiles, TileWriter
 from cocoon_ckpt.examples.dlrm import zipf_ids
 from cocoon_ckpt.layout import emb_name
 from fault_injection import CrashPointHit, crash_at, disarm_all, known_points
 from fault_injection.chaos import draw_schedule
 from state import FencedError, Store
+from state.arrays import write_array
 
 from .conftest import job_config
 
 KEY = bytes(range(32))
 ROWS, STEPS, DIM, TILE = 600, 12, 4, 50  # 12 tiles of 50 slots (hot = 0)
+
+TILE_KEY = bytes(range(32))  # a tile MAC key, as keys.tile_mac_key derives one
 
 
 def _case() -> tuple[AccessSchedule, BandMF, np.ndarray]:
@@ -90,16 +95,16 @@ def test_stopped_precompute_resumes_from_its_tiles_bit_identical(
     crash_at(AFTER_TILE, step=5)
     try:
         with pytest.raises(CrashPointHit):
-            _csc(StoredTiles(store, "emb.weight", "d" * 32), threads)
+            _csc(StoredTiles(store, "emb.weight", "d" * 32, mac_key=TILE_KEY), threads)
     finally:
         disarm_all()
     kept = len(_markers(tmp_path / "s.zarr"))
     assert kept == 5  # the crash came right after the 5th tile was durable
-    again = StoredTiles(store, "emb.weight", "d" * 32)
+    again = StoredTiles(store, "emb.weight", "d" * 32, mac_key=TILE_KEY)
     _same(_csc(again, threads), whole)
     assert (again.loaded, again.computed) == (5, 12 - 5)
     # a third run finds every tile and computes none
-    third = StoredTiles(store, "emb.weight", "d" * 32)
+    third = StoredTiles(store, "emb.weight", "d" * 32, mac_key=TILE_KEY)
     _same(_csc(third), whole)
     assert (third.loaded, third.computed) == (12, 0)
 
@@ -110,12 +115,12 @@ def test_tiles_kept_on_a_writer_thread_resume_bit_identical(tmp_path: Path) -> N
     crash_at(TILE_KEPT, step=4)  # raised on the writer's thread, re-raised here
     try:
         with pytest.raises(CrashPointHit), TileWriter() as writer:
-            _csc(StoredTiles(store, "emb.weight", "d" * 32, writer), threads=2)
+            _csc(StoredTiles(store, "emb.weight", "d" * 32, writer, mac_key=TILE_KEY), threads=2)
     finally:
         disarm_all()
     assert len(_markers(tmp_path / "s.zarr")) == 4  # the writer stopped at its failure
     with TileWriter() as writer:
-        again = StoredTiles(store, "emb.weight", "d" * 32, writer)
+        again = StoredTiles(store, "emb.weight", "d" * 32, writer, mac_key=TILE_KEY)
         resumed = _csc(again, threads=2)
     _same(resumed, whole)
     assert (again.loaded, again.computed) == (4, 12 - 4)
@@ -127,7 +132,7 @@ def test_damaged_or_foreign_tiles_are_computed_again(
     whole = _csc()
     root = tmp_path / "s.zarr"
     store = _store(root)
-    _csc(StoredTiles(store, "emb.weight", "d" * 32))
+    _csc(StoredTiles(store, "emb.weight", "d" * 32, mac_key=TILE_KEY))
     folder = root / "shared" / PRECOMPUTE / "emb.weight" / ("d" * 32)
     # tile 2: a flipped bit in a chunk of its values
     chunk = next(p for p in (folder / "tile-000002" / "values").rglob("c*") if p.is_file())
@@ -140,7 +145,7 @@ def test_damaged_or_foreign_tiles_are_computed_again(
     # tile 7: tile 6's whole marker under tile 7's name (right digest, wrong tile)
     (folder / "tile-000007.done").write_bytes((folder / "tile-000006.done").read_bytes())
     caplog.set_level(logging.WARNING, "cocoon_ckpt.embedding.precompute")
-    again = StoredTiles(store, "emb.weight", "d" * 32)
+    again = StoredTiles(store, "emb.weight", "d" * 32, mac_key=TILE_KEY)
     _same(_csc(again), whole)
     assert (again.loaded, again.computed) == (9, 3)
     untrusted = sorted(
@@ -148,7 +153,7 @@ def test_damaged_or_foreign_tiles_are_computed_again(
     )
     assert untrusted == [2, 4, 7]
     # another digest (another key, config or plan) finds nothing of this one's
-    other = StoredTiles(store, "emb.weight", "e" * 32)
+    other = StoredTiles(store, "emb.weight", "e" * 32, mac_key=TILE_KEY)
     _same(_csc(other), whole)
     assert (other.loaded, other.computed) == (0, 12)
 
@@ -156,7 +161,7 @@ def test_damaged_or_foreign_tiles_are_computed_again(
 def test_a_writer_taken_over_stops_before_its_next_tile(tmp_path: Path) -> None:
     root = tmp_path / "s.zarr"
     store = _store(root)
-    parts = StoredTiles(store, "emb.weight", "d" * 32)
+    parts = StoredTiles(store, "emb.weight", "d" * 32, mac_key=TILE_KEY)
     newer = Store.open(str(root), create=False)
     crash_at(AFTER_TILE, step=3)
     try:
@@ -169,7 +174,7 @@ def test_a_writer_taken_over_stops_before_its_next_tile(tmp_path: Path) -> None:
         _csc(parts)
     # on the writer's thread: its first tile is refused, and so is the precompute
     with pytest.raises(FencedError), TileWriter() as writer:
-        _csc(StoredTiles(store, "emb.weight", "d" * 32, writer), threads=2)
+        _csc(StoredTiles(store, "emb.weight", "d" * 32, writer, mac_key=TILE_KEY), threads=2)
     assert len(_markers(root)) == 3  # nothing written after the takeover
 
 
@@ -265,3 +270,38 @@ def test_sigkill_in_the_precompute_resumes_bit_identical(tmp_path: Path) -> None
     assert not (late / "shared" / PRECOMPUTE).exists()
     got = _export(late, key, tmp_path / "late.pt")
     assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_a_tile_forged_without_the_key_is_computed_again(tmp_path: Path) -> None:
+    """A writer of the store without the job's key rewrites a kept tile's values and
+    re-stamps its crc32c and the marker's sha256: the tile's MACs fail, it is computed
+    again, and the CSC is the uninterrupted one."""
+    store = Store.open(str(tmp_path / "s.zarr"))
+    store.acquire_lease()
+    slots = np.arange(4)
+    parts = StoredTiles(store, "emb.weight", "d" * 32, mac_key=TILE_KEY)
+    values = np.random.default_rng(0).standard_normal((3, 2))
+    parts.save(0, slots, (np.arange(3), np.arange(3), values))
+    backend = store.backend
+    tile = f"precompute/emb.weight/{'d' * 32}/tile-000000"
+    backend.rm(f"shared/{tile}/values", recursive=True)
+    checksum, _ = write_array(backend, "shared", f"{tile}/values", np.zeros((3, 2)))
+    marker = f"shared/{tile}.done"
+    rec = json.loads(backend.read_bytes(marker))
+    rec.pop("sha256")
+    rec["arrays"]["values"]["checksum"] = checksum
+    text = json.dumps(rec, sort_keys=True, separators=(",", ":")).encode()
+    rec["sha256"] = hashlib.sha256(text).hexdigest()
+    backend.rm(marker)
+    backend.create_once(marker, json.dumps(rec, sort_keys=True).encode())
+    again = StoredTiles(store, "emb.weight", "d" * 32, mac_key=TILE_KEY)
+    assert again.load(0, slots, TileLayout(3, 2, np.dtype(np.float64))) is None
+    assert not backend.exists(marker)  # discarded, to be computed again
+    # the same tile under the key it was kept with loads as it was written
+    parts.save(1, slots, (np.arange(3), np.arange(3), values))
+    got = StoredTiles(store, "emb.weight", "d" * 32, mac_key=TILE_KEY).load(
+        1, slots, TileLayout(3, 2, np.dtype(np.float64))
+    )
+    assert got is not None and np.array_equal(got[2], values)
+    other = StoredTiles(store, "emb.weight", "d" * 32, mac_key=bytes(32))
+    assert other.load(1, slots, TileLayout(3, 2, np.dtype(np.float64))) is None
