@@ -481,10 +481,13 @@ def test_a_loop_that_catches_the_refusal_commits_nothing_of_the_step(
         for _ in job.steps():
             pass
     assert (refused.value.step, refused.value.indices) == (2, [bad])
+    job.wait()  # the version of step 2 is written in the background: let it land first
     committed = _committed(store)
     with pytest.raises(RuntimeError, match="^step 2 stopped halfway"):
         job.trainer.state_dict()  # what a Checkpointer would snapshot
     job.close()  # the step reached is the newest version's: nothing to write
     assert _committed(store) == committed
+    newest = Store.open(str(store), create=False).latest()
+    assert newest is not None and newest.step == 2  # the steps before the refused one
     latest = Store.open(str(store), create=False).latest()
     assert latest is not None and latest.step == 2
