@@ -172,10 +172,15 @@ def read_key_file(path: str) -> bytes:
         raise NoiseKeyError(
             f"cannot read key file {path} ({exc.strerror}); pass the job's key file"
         ) from None
+    st = os.fstat(fd)  # the file opened, not whatever the name points to now
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)  # (a folder cannot even be wrapped in a file object)
+        kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise NoiseKeyError(
+            f"key file {path} is {kind}; pass the job's key file (a {KEY_BYTES}-byte file, "
+            "mode 600)"
+        )
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())  # the file opened, not whatever the name points to now
-        if not stat.S_ISREG(st.st_mode):
-            raise NoiseKeyError(f"key file {path} is not a regular file; pass the job's key file")
         if st.st_mode & 0o077:
             raise NoiseKeyError(
                 f"key file {path} is readable by group or others (mode "
@@ -184,7 +189,8 @@ def read_key_file(path: str) -> bytes:
             )
         key = f.read(KEY_BYTES + 1)
     if len(key) != KEY_BYTES:
-        raise NoiseKeyError(f"key file {path} holds {len(key)} bytes, not a {KEY_BYTES}-byte key")
+        size = max(st.st_size, len(key))  # what it holds, not what was read of it
+        raise NoiseKeyError(f"key file {path} holds {size} bytes, not a {KEY_BYTES}-byte key")
     return key
 
 

@@ -263,16 +263,9 @@ class FarTier(Tier):
         shape = (self.slots, self.width)
         if not self.width or not self.slots:
             return
-        self._map = np.memmap(
-            os.path.join(self._dir, "history"), dtype=self.dtype, mode="w+", shape=shape
-        )
-        os.chmod(os.path.join(self._dir, "history"), 0o600)
-        self._mix = np.memmap(
-            os.path.join(self._shm, "mix"), dtype=self.dtype, mode="w+", shape=(self.slots,)
-        )
-        self._out = np.memmap(
-            os.path.join(self._shm, "out"), dtype=self.dtype, mode="w+", shape=(self.width,)
-        )
+        self._map = private_memmap(os.path.join(self._dir, "history"), self.dtype, shape)
+        self._mix = private_memmap(os.path.join(self._shm, "mix"), self.dtype, (self.slots,))
+        self._out = private_memmap(os.path.join(self._shm, "out"), self.dtype, (self.width,))
         self._with_worker(self._open_cmd())
 
     def _write_slot(self, slot: int, values: np.ndarray) -> None:
@@ -322,3 +315,17 @@ class FarTier(Tier):
         self._map = self._mix = self._out = None
         shutil.rmtree(self._dir, ignore_errors=True)
         shutil.rmtree(self._shm, ignore_errors=True)
+
+
+def private_memmap(path: str, dtype: Any, shape: tuple[int, ...]) -> Any:
+    """A new zero-filled file `path` mapped as an array, created 0600 whatever the umask
+    (np.memmap's "w+" creates it 0666 & ~umask: under umask 000 the history was
+    readable by everyone for as long as the folder's mode was all that stood between)."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+    return np.memmap(path, dtype=dtype, mode="r+", shape=shape)

@@ -158,6 +158,12 @@ def resolve(job: str, *, search_cwd: bool = False) -> Builder:
         raise ConfigError(
             f"job {job!r} must be 'example:NAME' or 'module:function', e.g. myjob:build"
         )
+    if module != "example" and not all(part.isidentifier() for part in module.split(".")):
+        raise ConfigError(
+            f"job {job!r}: {module!r} is not a module name (dotted Python identifiers, as "
+            "import takes them); name a module importable from the current folder, e.g. "
+            "myjob:build for myjob.py"
+        )
     if module == "example":
         module = f"cocoon_ckpt.examples.{func}"
         func = "build"
