@@ -17,7 +17,7 @@ from typing import Any
 from cocoon_ckpt.dp.blt import BLT
 from cocoon_ckpt.dp.generator import check_generator_backend
 from cocoon_ckpt.dp.mechanism import MechanismKind
-from cocoon_ckpt.errors import ConfigMismatchError, NoiseKeyError
+from cocoon_ckpt.errors import CocoonError, ConfigMismatchError, NoiseKeyError
 from cocoon_ckpt.keys import key_id
 from cocoon_ckpt.train import config as cfgmod
 from cocoon_ckpt.train.allowances import ResumeAllowances
@@ -83,6 +83,12 @@ def prepare_trainer(
             try:
                 trainer.load_state_dict(decode(latest, like))
             except (KeyError, TypeError, IndexError, AttributeError) as exc:
+                raise malformed_version(store, latest, exc) from None
+            except ValueError as exc:
+                if isinstance(exc, CocoonError):  # our own refusals keep their class
+                    raise
+                # a stored state this job cannot take (the sampler's, the accountant's):
+                # the version's records, not the request, are wrong (exit 1, not 2)
                 raise malformed_version(store, latest, exc) from None
             step = trainer.step_index
             if type(step) is not int or step != latest.step or not 0 < step <= config.dp.steps:

@@ -268,3 +268,18 @@ def test_an_old_stores_edited_accountant_steps_are_derived_not_trusted(
     assert run.returncode == 1, run.stderr
     assert "accountant.steps=16, the version is at step 8" in run.stderr
     assert _tree(store) == before
+
+
+def test_a_stored_state_the_job_cannot_take_is_the_stores_fault(crashed: tuple[Path, Path]) -> None:
+    """A sampler record edited by the key's holder (so its MACs verify) exits 1, a
+    version refused, not 2, a malformed request."""
+    store, key = crashed
+    path = store / manifest_path(2)
+    doc = json.loads(path.read_bytes())
+    doc["records"]["sampler"]["seed"] = "x"
+    path.write_bytes(reseal(doc, key))
+    before = _tree(store)
+    run = _cli(*TRAIN, "--store", str(store), "--key-file", str(key))
+    assert run.returncode == 1, run.stderr
+    assert "version 2 of" in run.stderr and "sampler state" in run.stderr
+    assert _tree(store) == before
