@@ -158,7 +158,9 @@ def resolve(job: str, *, search_cwd: bool = False) -> Builder:
         raise ConfigError(
             f"job {job!r} must be 'example:NAME' or 'module:function', e.g. myjob:build"
         )
-    if module != "example" and not all(part.isidentifier() for part in module.split(".")):
+    named_by_file = module.endswith(".py")  # explained where its import fails (_import)
+    dotted = all(part.isidentifier() for part in module.split("."))
+    if module != "example" and not named_by_file and not dotted:
         raise ConfigError(
             f"job {job!r}: {module!r} is not a module name (dotted Python identifiers, as "
             "import takes them); name a module importable from the current folder, e.g. "
@@ -201,6 +203,9 @@ def _cwd_first(on: bool) -> Iterator[str]:
 
 
 def _import(job: str, module: str, where: str) -> Any:
+    if module.startswith(".") and module.endswith(".py"):
+        # `../myjob.py`: a relative import to Python, which raises TypeError without a package
+        raise ConfigError(_file_not_module(job))
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as exc:

@@ -37,6 +37,11 @@ def test_a_job_that_is_not_a_module_name_is_refused_by_name(job: str) -> None:
         resolve(job, search_cwd=True)
 
 
+def test_a_relative_py_path_in_job_is_explained_not_a_type_error() -> None:
+    with pytest.raises(ConfigError, match=r"names a file; name its module instead: evil:build"):
+        resolve("../evil.py:build", search_cwd=True)
+
+
 def test_key_files_of_the_wrong_size_or_kind_are_named_as_they_are(tmp_path: Path) -> None:
     big = tmp_path / "big.key"
     big.write_bytes(os.urandom(100))
