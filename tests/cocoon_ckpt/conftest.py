@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,3 +31,13 @@ def job_config(example: str = "mlp", bands: int = 8, steps: int = 24, **kw: Any)
     )
     opts = {"tables": [200, 100, 50], "dim": 4} if example == "dlrm" else {}
     return JobConfig(job=f"example:{example}", dp=dp, options=opts, checkpoint_every=5, **kw)
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every path under `root` with its mode and (files) a sha256 of its bytes: a
+    refusal that 'writes nothing' leaves this equal."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        digest = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        out[str(p.relative_to(root))] = f"{p.lstat().st_mode:o}:{digest}"
+    return out

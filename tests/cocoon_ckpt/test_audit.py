@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -24,17 +23,7 @@ from cocoon_ckpt.tools.catalog import collect_garbage, diff_versions, inspect_st
 from cocoon_ckpt.train.config import fingerprint
 from state import LeaseHeldError, Store, array_checksum
 
-from .conftest import job_config, reseal
-
-
-def _tree(root: Path) -> dict[str, str]:
-    """Every file's path, mode and content hash: 'changes nothing' means this is equal."""
-    out = {}
-    for p in sorted(root.rglob("*")):
-        st = p.lstat()
-        digest = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-        out[str(p.relative_to(root))] = f"{st.st_mode:o}:{digest}"
-    return out
+from .conftest import job_config, reseal, tree
 
 
 @pytest.fixture(scope="session")
@@ -91,7 +80,7 @@ def _findings(report: Any, check: str) -> list[str]:
 
 
 def test_clean_store_holds_and_audit_changes_nothing(store: Path, tmp_path: Path) -> None:
-    before = _tree(store)
+    before = tree(store)
     report = audit_store(str(store), coordinates=10_000, seed=3, plot_dir=str(tmp_path / "p"))
     assert report.ok, report.text()
     noise = report.checks["noise"]
@@ -111,7 +100,7 @@ def test_clean_store_holds_and_audit_changes_nothing(store: Path, tmp_path: Path
         "noise_norm.png",
     ]
     assert all(Path(p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in report.plots)
-    assert _tree(store) == before
+    assert tree(store) == before
 
 
 def test_changed_ring_slot_with_valid_checksums_is_found(store: Path) -> None:
@@ -229,7 +218,7 @@ def test_coalesced_csc_is_recomputed_and_tampering_found(emb_store: Path, tmp_pa
     rows' entries from the key bit for bit; a CSC altered with valid checksums is found."""
     root = tmp_path / "emb.zarr"
     shutil.copytree(emb_store, root)
-    before = _tree(root)
+    before = tree(root)
     clean = audit_store(str(root), coordinates=64, seed=5, job="example:dlrm")
     assert clean.ok and not clean.skipped, clean.text()
     emb = clean.checks["embedding"]
@@ -237,7 +226,7 @@ def test_coalesced_csc_is_recomputed_and_tampering_found(emb_store: Path, tmp_pa
     # the hot rows' online rings, regenerated from each table's key
     assert emb["online_slots"] == emb["online_slots_bit_identical"] > 0
     assert "final_model" in clean.info["threat_model"]
-    assert _tree(root) == before
+    assert tree(root) == before
 
     m = json.loads(_manifests(root)[-1].read_text())
     name = next(n for n in m["arrays"] if n.endswith("csc/values"))

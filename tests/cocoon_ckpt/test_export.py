@@ -19,7 +19,8 @@ from cocoon_ckpt.tools.catalog import inspect_store
 from cocoon_ckpt.tools.export import ExportPathError, export_model
 from state import CorruptVersionError, StoreError
 
-from .test_audit import _edit_manifests, _manifests, _tree, clean_store  # noqa: F401
+from .conftest import tree
+from .test_audit import _edit_manifests, _manifests, clean_store  # noqa: F401
 
 
 @pytest.fixture
@@ -48,7 +49,7 @@ def test_complete_flag_is_not_trusted(store: Path, tmp_path: Path) -> None:
     _unfinished_flagged_complete(store)
     out = tmp_path / "out"
     out.mkdir()
-    before, out_before = _tree(store), _tree(out)
+    before, out_before = tree(store), tree(out)
     with pytest.raises(StoreError, match="at step 15 of 16"):
         export_model(str(store), str(out / "m.pt"))
     # inspect derives it too; audit reports the flag that disagrees (exit 1)
@@ -57,7 +58,7 @@ def test_complete_flag_is_not_trusted(store: Path, tmp_path: Path) -> None:
     report = audit_store(str(store), coordinates=8, seed=0)
     (found,) = [f for f in report.findings if f.check == "complete"]
     assert "complete=True" in found.message and "step 15 of 16" in found.message
-    assert _tree(store) == before and _tree(out) == out_before
+    assert tree(store) == before and tree(out) == out_before
 
 
 def test_unfinished_final_model_is_refused_whatever_its_flag(store: Path, tmp_path: Path) -> None:
@@ -68,16 +69,16 @@ def test_unfinished_final_model_is_refused_whatever_its_flag(store: Path, tmp_pa
 
 
 def test_out_inside_the_store_is_refused(store: Path, tmp_path: Path) -> None:
-    before = _tree(store)
+    before = tree(store)
     link = tmp_path / "innocent.pt"
     link.symlink_to(store / "secret" / "noise.key")
     for out in (store / "secret" / "noise.key", store / "model.pt", link):
         with pytest.raises(ExportPathError, match="inside the store"):
             export_model(str(store), str(out))
-        assert _tree(store) == before
+        assert tree(store) == before
     # the CLI: one line, exit 2, the key untouched
     assert main(["export", str(store), "--out", str(store / "secret" / "noise.key")]) == 2
-    assert _tree(store) == before
+    assert tree(store) == before
 
 
 def test_out_in_a_missing_folder_or_over_a_file_is_refused(

@@ -5,7 +5,6 @@ written before format 4 resumes once allowed and bit-identically."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -20,7 +19,7 @@ from fault_injection.forgery import forge_manifest
 from state import Store
 from state.paths import manifest_path
 
-from .conftest import reseal
+from .conftest import reseal, tree
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ["train", "--steps", "12", "--checkpoint-every", "4", "--target-epsilon", "4", "--quiet"]
@@ -34,15 +33,6 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
         cwd=ROOT,
         stdin=subprocess.DEVNULL,
     )
-
-
-def _tree(root: Path) -> dict[str, str]:
-    """Every path under `root` and, for files, a hash of its bytes."""
-    out = {}
-    for p in sorted(root.rglob("*")):
-        rel = str(p.relative_to(root))
-        out[rel] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-    return out
 
 
 def _model_checksums(store: Path, version: int) -> dict[str, str]:
@@ -84,13 +74,13 @@ def _halve_sigma(doc: dict[str, Any]) -> str:
 def test_a_halved_sigma_is_refused_on_resume(crashed: tuple[Path, Path], keep_macs: bool) -> None:
     store, key = crashed
     _forge(store, 2, keep_macs, _halve_sigma)
-    before = _tree(store)
+    before = tree(store)
     run = _cli(*TRAIN, "--store", str(store), "--key-file", str(key))
     assert run.returncode == 1, run.stderr
     line = run.stderr.strip().splitlines()[-1]
     assert "(version 2): the stored noise_multiplier=" in line
     assert "does not meet the job's target_epsilon=4.0 (it gives epsilon=" in line
-    assert _tree(store) == before
+    assert tree(store) == before
 
 
 def _double_accountant_steps(doc: dict[str, Any]) -> str:
@@ -104,7 +94,7 @@ def test_edited_accountant_steps_are_refused_on_resume(
 ) -> None:
     store, key = crashed
     _forge(store, 2, keep_macs, _double_accountant_steps)
-    before = _tree(store)
+    before = tree(store)
     run = _cli(*TRAIN, "--store", str(store), "--key-file", str(key))
     assert run.returncode == 1, run.stderr
     line = run.stderr.strip().splitlines()[-1]
@@ -113,7 +103,7 @@ def test_edited_accountant_steps_are_refused_on_resume(
         assert "fails its MAC under the job's key" in line
     else:  # version 1 is sealed: version 2's MACs were certainly stripped
         assert "carries no MAC" in line and "MACs were stripped; it is refused" in line
-    assert _tree(store) == before
+    assert tree(store) == before
 
 
 def test_a_store_written_before_format_4_resumes_once_allowed_bit_identically(
@@ -176,11 +166,11 @@ def test_a_removed_identity_record_is_refused_not_skipped(crashed: tuple[Path, P
     doc = json.loads(path.read_bytes())
     del doc["records"]["identity"]
     path.write_bytes(reseal(doc, key))  # even re-sealed by the key's holder
-    before = _tree(store)
+    before = tree(store)
     run = _cli(*TRAIN, "--store", str(store), "--key-file", str(key))
     assert run.returncode == 1, run.stderr
     assert "the identity record is missing from a sealed version" in run.stderr
-    assert _tree(store) == before
+    assert tree(store) == before
 
 
 def _triple_sigma(doc: dict[str, Any]) -> str:
@@ -209,13 +199,13 @@ def test_a_stripped_version_above_a_sealed_one_is_refused_even_when_allowed(
 ) -> None:
     store, key = crashed
     _forge(store, 2, False, lambda doc: "MACs stripped")  # version 1 stays sealed
-    before = _tree(store)
+    before = tree(store)
     for extra in ((), ("--allow-unauthenticated",)):
         run = _cli(*TRAIN, "--store", str(store), "--key-file", str(key), *extra)
         assert run.returncode == 1, (extra, run.stderr)
         assert "MACs were stripped" in run.stderr, (extra, run.stderr)
         assert "--allow-unauthenticated (" not in run.stderr
-        assert _tree(store) == before
+        assert tree(store) == before
 
 
 def test_a_forged_key_id_is_a_forgery_not_a_wrong_key(crashed: tuple[Path, Path]) -> None:
@@ -263,11 +253,11 @@ def test_an_old_stores_edited_accountant_steps_are_derived_not_trusted(
     store, key = crashed
     _forge(store, 1, False, lambda doc: "as written before format 4")
     _forge(store, 2, False, _double_accountant_steps)
-    before = _tree(store)
+    before = tree(store)
     run = _cli(*TRAIN, "--store", str(store), "--key-file", str(key), "--allow-unauthenticated")
     assert run.returncode == 1, run.stderr
     assert "accountant.steps=16, the version is at step 8" in run.stderr
-    assert _tree(store) == before
+    assert tree(store) == before
 
 
 def test_a_stored_state_the_job_cannot_take_is_the_stores_fault(crashed: tuple[Path, Path]) -> None:
@@ -278,8 +268,8 @@ def test_a_stored_state_the_job_cannot_take_is_the_stores_fault(crashed: tuple[P
     doc = json.loads(path.read_bytes())
     doc["records"]["sampler"]["seed"] = "x"
     path.write_bytes(reseal(doc, key))
-    before = _tree(store)
+    before = tree(store)
     run = _cli(*TRAIN, "--store", str(store), "--key-file", str(key))
     assert run.returncode == 1, run.stderr
     assert "version 2 of" in run.stderr and "sampler state" in run.stderr
-    assert _tree(store) == before
+    assert tree(store) == before

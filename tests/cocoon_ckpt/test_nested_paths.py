@@ -5,7 +5,6 @@ as tagged JSON, never as bare NaN."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -22,17 +21,9 @@ from cocoon_ckpt.train.parts import JobParts
 from state import Store
 from state.canonical_json import canonical_text, load_bounded
 
-from .conftest import job_config
+from .conftest import job_config, tree
 
 SMALL = ("--steps", "4", "--bands", "2", "--checkpoint-every", "2", "--no-progress")
-
-
-def _tree(root: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(root)): f"{p.lstat().st_mode:o}:"
-        + (hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "")
-        for p in sorted(root.rglob("*"))
-    }
 
 
 def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
@@ -51,7 +42,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_key_file_inside_a_store_is_refused_with_nothing_written(
     store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    before = _tree(store)
+    before = tree(store)
     # a new job whose key file would lie in another store's versions/ (gc deletes it)
     fresh = tmp_path / "fresh.zarr"
     key = store / "versions" / "k"
@@ -59,7 +50,7 @@ def test_a_key_file_inside_a_store_is_refused_with_nothing_written(
     assert code == 2 and err.count("\n") == 1, err
     assert f"--key-file {key} lies inside the store {store}" in err
     assert "keep the key file outside every store" in err
-    assert not fresh.exists() and not key.exists() and _tree(store) == before
+    assert not fresh.exists() and not key.exists() and tree(store) == before
     # a new job whose key file would lie in the store it is about to create
     own_key = fresh / "versions" / "k"
     code, err = _main(capsys, "train", "--store", str(fresh), "--key-file", str(own_key), *SMALL)
@@ -72,19 +63,19 @@ def test_a_key_file_inside_a_store_is_refused_with_nothing_written(
     assert code == 2 and "lies inside the store" in err, err
     code, err = _main(capsys, "audit", str(store), "--key-file", str(link))
     assert code == 2 and "lies inside the store" in err, err
-    assert _tree(store) == before
+    assert tree(store) == before
 
 
 def test_a_store_inside_another_store_is_refused_with_nothing_written(
     store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    before = _tree(store)
+    before = tree(store)
     for inner in (store / "versions" / "inner.zarr", store / "shared" / "a" / "b.zarr"):
         code, err = _main(capsys, "train", "--store", str(inner), *SMALL)
         assert code == 2 and err.count("\n") == 1, err
         assert f"store {inner} lies inside the cocoon-ckpt store {store}" in err
         assert "choose a store path (--store) outside it" in err
-        assert not inner.exists() and _tree(store) == before
+        assert not inner.exists() and tree(store) == before
     # a store planted there by hand is not opened either: gc of the outer store would
     # delete it under the reader
     planted = store / "versions" / "planted.zarr"

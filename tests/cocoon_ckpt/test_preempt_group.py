@@ -33,8 +33,8 @@ from cocoon_ckpt.train.data import make_loader
 from state import Store
 
 from . import real_job
-from .conftest import job_config
 from .test_real_job_kill import _assert_same_final
+from .test_real_job_kill import _config as real_job_kill_config
 
 pytestmark = pytest.mark.slow
 
@@ -46,15 +46,9 @@ WORKER_TIMEOUT_S = 5.0
 
 
 def _config() -> JobConfig:
-    cfg = job_config("mlp", bands=4, steps=STEPS)
-    return dataclasses.replace(
-        cfg,
-        job="tests.cocoon_ckpt.real_job:build",
-        checkpoint_every=4,
-        # 2.4 s of steps: a signal after the first commit lands mid-run
-        options={"step_sleep": 0.1, "worker_timeout_s": WORKER_TIMEOUT_S},
-        dp=dataclasses.replace(cfg.dp, physical_batch_size=8),
-    )
+    """test_real_job_kill's job, its workers watched with a short timeout."""
+    cfg = real_job_kill_config()
+    return dataclasses.replace(cfg, options={**cfg.options, "worker_timeout_s": WORKER_TIMEOUT_S})
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ byte for byte what it was; ranks given the same flags still train."""
 
 from __future__ import annotations
 
-import hashlib
 import subprocess
 import sys
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from cocoon_ckpt.train.rank_agreement import RankDisagreementError, agree_on
 from cocoon_ckpt.train.runner import run_job
 from cocoon_ckpt.train.start import start_ranks
 from state import Store
-from tests.cocoon_ckpt.conftest import job_config
+from tests.cocoon_ckpt.conftest import job_config, tree
 from tests.cocoon_ckpt.test_distributed import ENV, _free_port
 
 
@@ -63,16 +62,6 @@ def _ranks(argvs: list[list[str]]) -> list[tuple[int, str]]:
                 p.kill()
                 p.wait()
     return out
-
-
-def _tree(root: Path) -> dict[str, str]:
-    """Every path under `root` and a digest of its bytes (a folder: its mode)."""
-    return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-        if p.is_file()
-        else f"dir {p.stat().st_mode:o}"
-        for p in sorted(root.rglob("*"))
-    }
 
 
 def _key(path: Path) -> str:
@@ -135,14 +124,14 @@ def test_ranks_that_disagree_are_refused_on_each_with_nothing_written(
     tmp_path: Path, case: str
 ) -> None:
     argvs, says = _CASES[case](tmp_path)
-    before = _tree(tmp_path)
+    before = tree(tmp_path)
     ranks = _ranks(argvs)
     assert [code for code, _ in ranks] == [2, 2], ranks  # a malformed request
     line = ranks[0][1]
     assert line.startswith("cocoon-ckpt: error: the 2 ranks of this job were not given"), line
     assert f"same job: {'; '.join(says)}. Only rank 0's" in line
     assert ranks[1][1] == line  # one message on every rank
-    assert _tree(tmp_path) == before  # no store, lease, key file or version written
+    assert tree(tmp_path) == before  # no store, lease, key file or version written
     for key in tmp_path.glob("k*"):
         assert key.read_bytes().hex() not in line  # keys shown by id only
 
@@ -207,7 +196,7 @@ def test_a_rank_reading_another_key_after_rank_0_made_it_is_refused(tmp_path: Pa
     config = job_config("mlp", bands=2, steps=4)
     run_job(config, url, key_file=str(key))
     coordinator = key_id(bytes(32))
-    before = _tree(tmp_path)
+    before = tree(tmp_path)
     rank1: DistContext = _Rank1(coordinator)  # type: ignore[assignment]
     with pytest.raises(RankDisagreementError) as caught:
         start_ranks(
@@ -223,4 +212,4 @@ def test_a_rank_reading_another_key_after_rank_0_made_it_is_refused(tmp_path: Pa
         )
     mine = key_id(key.read_bytes())
     assert caught.value.differences == [f"key: rank 0 key id {coordinator}, rank 1 key id {mine}"]
-    assert _tree(tmp_path) == before  # rank 1 writes nothing
+    assert tree(tmp_path) == before  # rank 1 writes nothing

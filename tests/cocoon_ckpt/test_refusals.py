@@ -7,7 +7,6 @@ generation added, no running writer fenced.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -28,17 +27,7 @@ from cocoon_ckpt.keys import create_key_file, key_id, read_key_file
 from cocoon_ckpt.train.parts import JobParts
 from state import CorruptVersionError, Store
 
-from .conftest import job_config, reseal
-
-
-def _tree(root: Path) -> dict[str, str]:
-    """Every path under `root` with its mode and (files) content hash."""
-    out = {}
-    for p in sorted(root.rglob("*")):
-        st = p.lstat()
-        digest = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else ""
-        out[str(p.relative_to(root))] = f"{st.st_mode:o}:{digest}"
-    return out
+from .conftest import job_config, reseal, tree
 
 
 def _small(**kw: Any) -> JobConfig:
@@ -65,19 +54,19 @@ def _failing_builder(config: JobConfig) -> JobParts:
 
 
 def test_refused_resume_for_a_config_mismatch_changes_nothing(work: Path) -> None:
-    before = _tree(work)
+    before = tree(work)
     with pytest.raises(ConfigMismatchError, match=r"dp.bands: stored 2, now 1"):
         run_job(job_config(bands=1, steps=4), str(work / "s.zarr"))
-    assert _tree(work) == before  # no lease generation, no key, nothing
+    assert tree(work) == before  # no lease generation, no key, nothing
 
 
 def test_takeover_refused_for_a_mismatch_does_not_fence_the_running_writer(work: Path) -> None:
     holder = Store.open(str(work / "s.zarr"), create=False)
     lease = holder.acquire_lease()  # this process is the healthy running writer
-    before = _tree(work)
+    before = tree(work)
     with pytest.raises(ConfigMismatchError):
         run_job(job_config(bands=1, steps=4), str(work / "s.zarr"), takeover=True)
-    assert _tree(work) == before
+    assert tree(work) == before
     lease.check()  # still the store's writer: not fenced
     holder.release_lease()
 
@@ -92,10 +81,10 @@ def test_failing_builder_creates_no_store_and_no_key(tmp_path: Path) -> None:
 
 
 def test_failing_builder_on_resume_changes_nothing(work: Path) -> None:
-    before = _tree(work)
+    before = tree(work)
     with pytest.raises(RuntimeError, match="builder failed"):
         run_job(_small(), str(work / "s.zarr"), builder=_failing_builder)
-    assert _tree(work) == before
+    assert tree(work) == before
 
 
 def test_builder_with_a_wrong_signature_is_named(tmp_path: Path) -> None:
@@ -111,31 +100,31 @@ def test_bad_key_files_are_refused_before_anything_is_written(work: Path) -> Non
     key = work / "noise.key"
     store = str(work / "k.zarr")
     os.chmod(key, 0o640)
-    before = _tree(work)
+    before = tree(work)
     for url in (store, str(work / "fresh.zarr")):  # a resume, and a new job
         with pytest.raises(NoiseKeyError, match=f"chmod 600 {key}"):
             run_job(_small(), url, key_file=str(key))
-        assert _tree(work) == before
+        assert tree(work) == before
     short = work / "short.key"
     short.write_bytes(b"x" * 16)
     os.chmod(short, 0o600)
-    before = _tree(work)
+    before = tree(work)
     with pytest.raises(NoiseKeyError, match="holds 16 bytes"):
         run_job(_small(), str(work / "fresh.zarr"), key_file=str(short))
     with pytest.raises(NoiseKeyError, match="--key-file"):  # the key lives outside the store
         run_job(_small(), store)
     with pytest.raises(NoiseKeyError, match="cannot read key file"):
         run_job(_small(), store, key_file=str(work / "missing.key"))
-    assert _tree(work) == before
+    assert tree(work) == before
 
 
 def test_another_jobs_key_is_refused(work: Path) -> None:
     other = work / "other.key"
     create_key_file(str(other), b"o" * 32)
-    before = _tree(work)
+    before = tree(work)
     with pytest.raises(NoiseKeyError, match="does not match the key of version"):
         run_job(_small(), str(work / "k.zarr"), key_file=str(other))
-    assert _tree(work) == before
+    assert tree(work) == before
 
 
 def _tamper(store: Path, edit: Any) -> None:
@@ -163,10 +152,10 @@ def test_hostile_records_are_refused_by_name_and_change_nothing(
     work: Path, edit: Any, error: type[Exception], needle: str
 ) -> None:
     _tamper(work / "s.zarr", edit)
-    before = _tree(work)
+    before = tree(work)
     with pytest.raises(error, match=needle):
         run_job(_small(), str(work / "s.zarr"))
-    assert _tree(work) == before
+    assert tree(work) == before
 
 
 def test_a_fresh_job_keeps_a_new_key_file_private(tmp_path: Path) -> None:

@@ -9,7 +9,6 @@ and the key file before and after the refused `run_job`.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import random
 from pathlib import Path
 from typing import Any
@@ -26,15 +25,7 @@ from cocoon_ckpt.examples import mlp
 from cocoon_ckpt.train.build import check_first_batch
 from cocoon_ckpt.train.parts import JobParts, check_optimizer_step, make_optimizer
 
-
-def _tree(root: Path) -> dict[str, str]:
-    """Every path under `root` with its mode and (files) content hash."""
-    out = {}
-    for p in sorted(root.rglob("*")):
-        st = p.lstat()
-        digest = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else ""
-        out[str(p.relative_to(root))] = f"{st.st_mode:o}:{digest}"
-    return out
+from .conftest import tree
 
 
 def _config(optimizer: str = "sgd") -> JobConfig:
@@ -76,10 +67,10 @@ def _refused(tmp_path: Path, config: JobConfig, build: Any, match: str, **kw: An
     """Run the refused job into tmp_path/out; the message, and nothing written there."""
     out = tmp_path / "out"
     (out / "keys").mkdir(parents=True)
-    before = _tree(out)
+    before = tree(out)
     with pytest.raises(ConfigError, match=match) as exc:
         run_job(config, str(out / "s.zarr"), builder=build, key_file=str(out / "keys/k"), **kw)
-    assert _tree(out) == before
+    assert tree(out) == before
     return str(exc.value)
 
 
@@ -120,7 +111,7 @@ def test_an_error_in_the_users_getitem_is_raised_as_it_is(tmp_path: Path) -> Non
     out.mkdir()
     with pytest.raises(ValueError, match="^bad record 7$"):
         run_job(_config(), str(out / "s.zarr"), builder=build)
-    assert _tree(out) == {}
+    assert tree(out) == {}
 
 
 def test_lbfgs_is_refused_by_name_before_anything_is_written(tmp_path: Path) -> None:
@@ -156,7 +147,7 @@ def test_a_key_file_in_a_missing_folder_is_refused_before_the_store(tmp_path: Pa
     out.mkdir()
     with pytest.raises(NoiseKeyError, match="folder .*nowhere does not exist"):
         run_job(_config(), str(out / "s.zarr"), key_file=str(out / "nowhere/k"))
-    assert _tree(out) == {}
+    assert tree(out) == {}
 
 
 def test_the_first_batch_check_leaves_the_global_generators_as_they_were() -> None:
