@@ -12,6 +12,7 @@ import hashlib
 import os
 import secrets
 import stat
+from collections.abc import Iterator
 
 from cocoon_ckpt.errors import NoiseKeyError
 from cocoon_ckpt.layout import KEY_SECRET
@@ -58,24 +59,33 @@ def tile_mac_key(key: bytes) -> bytes:
     return hashlib.blake2b(b"", key=key, person=b"cc-precomp-tile", digest_size=32).digest()
 
 
-def sealed_under(store: Store, key: bytes, *, below: int | None = None) -> int | None:
-    """The newest version of `store` (older than `below`, when given) whose MACs verify
-    under the job's `key` (read here without the store's own authentication), or None.
-    An unsealed version newer than a sealed one had its MACs stripped: a format-4
-    writer seals every version it commits, and a store written before format 4 is
-    sealed from its first resume on."""
-    mac_key = manifest_mac_key(key)
+def _manifests_unverified(store: Store, below: int | None = None) -> Iterator[Manifest]:
+    """`store`'s readable manifests (older than `below`, when given), newest first,
+    checked by their checksums only: read here without the store's own authentication,
+    which a caller asking why it failed has set."""
     for v in reversed(store.versions()):
         if below is not None and v >= below:
             continue
         try:
             data = store.backend.read_bytes(manifest_path(v))
-            m = Manifest.from_bytes(data, version=v, where=store.url)
-            if m.sealed:
-                m.authenticate(mac_key, where=store.url)
-                return v
+            yield Manifest.from_bytes(data, version=v, where=store.url)
         except (OSError, StoreError):
             continue
+
+
+def sealed_under(store: Store, key: bytes, *, below: int | None = None) -> int | None:
+    """The newest version of `store` (older than `below`, when given) whose MACs verify
+    under the job's `key`, or None. An unsealed version newer than a sealed one had
+    its MACs stripped: a format-4 writer seals every version it commits, and a store
+    written before format 4 is sealed from its first resume on."""
+    mac_key = manifest_mac_key(key)
+    for m in _manifests_unverified(store, below):
+        if m.sealed:
+            try:
+                m.authenticate(mac_key, where=store.url)
+            except StoreError:
+                continue
+            return m.version
     return None
 
 
@@ -86,20 +96,15 @@ def wrong_key(store: Store, key: bytes) -> NoiseKeyError | None:
     nothing says the key differs."""
     if sealed_under(store, key) is not None:
         return None
-    for v in reversed(store.versions()):
-        try:
-            data = store.backend.read_bytes(manifest_path(v))
-            stored = Manifest.from_bytes(data, version=v, where=store.url).records.get("key_id")
-        except (OSError, StoreError):
-            continue
-        if stored == key_id(key):
-            return None
-        return NoiseKeyError(
-            f"{store.url}: the noise key given does not match the key of version {v} (key "
-            f"id {key_id(key)}, the version's {stored}) and no version verifies under it: "
-            "it is another job's key. Use the job's own key (--key-file / key_file=)"
-        )
-    return None
+    newest = next(_manifests_unverified(store), None)
+    if newest is None or newest.records.get("key_id") == key_id(key):
+        return None
+    return NoiseKeyError(
+        f"{store.url}: the noise key given does not match the key of version "
+        f"{newest.version} (key id {key_id(key)}, the version's "
+        f"{newest.records.get('key_id')}) and no version verifies under it: it is another "
+        "job's key. Use the job's own key (--key-file / key_file=)"
+    )
 
 
 def new_key() -> bytes:
