@@ -23,8 +23,8 @@ from __future__ import annotations
 import argparse
 import math
 
-from cocoon_ckpt.dp.blt_accounting import blt_noise_multiplier_for
-from cocoon_ckpt.dp.blt_optimize import optimized_blt
+from cocoon_ckpt.dp.blt.accounting import blt_noise_multiplier_for
+from cocoon_ckpt.dp.blt.optimize import optimized_blt
 from cocoon_ckpt.dp.calibration import noise_multiplier_for
 from cocoon_ckpt.dp.mechanism import BandMF
 

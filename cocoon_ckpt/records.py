@@ -115,7 +115,7 @@ class AccountantRecord(TypedDict):
     `GaussianDpEvent` at sigma / sensitivity)."""
     epsilon: float | None
     sensitivity: NotRequired[float]
-    """A BLT run's min-sep sensitivity (`dp.blt_accounting`); absent for BandMF."""
+    """A BLT run's min-sep sensitivity (`dp.blt.accounting`); absent for BandMF."""
 
 
 class MechanismRecord(TypedDict):

@@ -20,7 +20,7 @@ from cocoon_ckpt.dp.accounting import (
     epsilon_of_event,
     validate_arguments,
 )
-from cocoon_ckpt.dp.blt_accounting import blt_dp_event, blt_epsilon
+from cocoon_ckpt.dp.blt.accounting import blt_dp_event, blt_epsilon
 from cocoon_ckpt.dp.calibration import noise_multiplier_for
 
 __all__ = [
@@ -40,7 +40,7 @@ class Accountant:
     Two accountings, chosen by the mechanism: amplified BandMF (ceil(t / b) rounds of a
     Poisson-subsampled Gaussian, `dp.accounting`), or, for a BLT (`sensitivity` given),
     the whole run as one Gaussian at sigma / sensitivity without amplification
-    (`dp.blt_accounting`): its epsilon is exact at the end and an upper bound at every
+    (`dp.blt.accounting`): its epsilon is exact at the end and an upper bound at every
     step before, and it is the Gaussian's exact profile whatever `method` says.
 
     Args:
@@ -50,7 +50,7 @@ class Accountant:
         bands: b, as `epsilon`.
         delta: the delta epsilon is reported at, as `epsilon`.
         method: the accounting (`pld` or `rdp`), as `epsilon`.
-        sensitivity: a BLT's min-sep sensitivity (`blt_accounting.accounting_sensitivity`);
+        sensitivity: a BLT's min-sep sensitivity (`blt.accounting.accounting_sensitivity`);
             None for BandMF.
     """
 

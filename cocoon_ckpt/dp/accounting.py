@@ -134,7 +134,7 @@ def epsilon_of_event(record: Mapping[str, Any], delta: float, method: str = "pld
     if isinstance(event, dp_accounting.GaussianDpEvent):
         # a BLT run's whole event: the Gaussian's exact profile, as its accountant
         # reports it (a PLD of it is a discretised upper bound)
-        from cocoon_ckpt.dp.blt_accounting import blt_epsilon
+        from cocoon_ckpt.dp.blt.accounting import blt_epsilon
 
         return blt_epsilon(event.noise_multiplier, 1.0, delta)
     if (
@@ -236,7 +236,7 @@ def epsilon_of_run(
     dp: Mapping[str, Any], mechanism: Mapping[str, Any] | None, steps: int, method: str = "pld"
 ) -> float:
     """epsilon after `steps` steps of a stored run, under its mechanism's accounting:
-    a BLT's (one Gaussian at its min-sep sensitivity, `dp.blt_accounting`) when the
+    a BLT's (one Gaussian at its min-sep sensitivity, `dp.blt.accounting`) when the
     mechanism record is a BLT's, else amplified BandMF (`epsilon`). What readers of a
     store (audit, export) recompute and compare with the accountant's record.
 
@@ -252,8 +252,8 @@ def epsilon_of_run(
     """
     sigma, bands, delta = float(dp["noise_multiplier"]), int(dp["bands"]), float(dp["delta"])
     if mechanism is not None and mechanism.get("kind") == "BLT":
-        from cocoon_ckpt.dp.blt import BLT
-        from cocoon_ckpt.dp.blt_accounting import accounting_sensitivity, blt_epsilon
+        from cocoon_ckpt.dp.blt.accounting import accounting_sensitivity, blt_epsilon
+        from cocoon_ckpt.dp.blt.strategy import BLT
 
         blt = BLT.from_state_dict(dict(mechanism))
         sens = accounting_sensitivity(blt, int(dp["steps"]), bands)

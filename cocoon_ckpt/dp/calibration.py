@@ -14,7 +14,7 @@ from scipy import optimize
 
 from cocoon_ckpt.dp._validate import SIGMA_MAX, SIGMA_MIN
 from cocoon_ckpt.dp.accounting import AccountingMethod, epsilon, validate_arguments
-from cocoon_ckpt.dp.blt_accounting import blt_epsilon, blt_noise_multiplier_for
+from cocoon_ckpt.dp.blt.accounting import blt_epsilon, blt_noise_multiplier_for
 from cocoon_ckpt.dp.pld_composition import OneRound
 from cocoon_ckpt.errors import PrivacyBudgetError
 
@@ -140,13 +140,13 @@ def noise_multiplier_for(
 
 def blt_noise_multiplier(target_epsilon: float, sensitivity: float, delta: float) -> float:
     """The smallest sigma >= 0.3 whose BLT run (one Gaussian at sigma / `sensitivity`,
-    `dp.blt_accounting`) is within `target_epsilon` at `delta`: the closed-form
+    `dp.blt.accounting`) is within `target_epsilon` at `delta`: the closed-form
     Gaussian's, floored as `noise_multiplier_for` floors BandMF's, so a BLT job's
     calibrated sigma obeys the same rule.
 
     Args:
         target_epsilon: > 0.
-        sensitivity: `blt_accounting.accounting_sensitivity(blt, steps, bands)`.
+        sensitivity: `blt.accounting.accounting_sensitivity(blt, steps, bands)`.
         delta: in (0, 1).
     """
     sigma = max(SIGMA_MIN, blt_noise_multiplier_for(target_epsilon, sensitivity, delta))

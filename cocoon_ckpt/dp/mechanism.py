@@ -40,9 +40,9 @@ class MechanismKind(enum.StrEnum):
     column normalization for a known n): the last b-1 steps' noise is multiplied by
     s_t < 1, the same sigma and epsilon, 0-3% less error (most at small n / large b)."""
     BLT = "blt"
-    """A buffered linear Toeplitz strategy (`cocoon_ckpt.dp.blt.BLT`, fitted by
+    """A buffered linear Toeplitz strategy (`cocoon_ckpt.dp.blt.strategy.BLT`, fitted by
     `optimized_blt` for the run's steps with bands as its min-sep): d buffers of noise
-    state instead of b-1, accounted without amplification (`dp.blt_accounting`)."""
+    state instead of b-1, accounted without amplification (`dp.blt.accounting`)."""
 
 
 def _validate(bands: int, steps: int) -> None:

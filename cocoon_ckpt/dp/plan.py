@@ -12,7 +12,7 @@ more often (q grows with b), so sigma grows with b too; which wins depends on ep
 
 A BLT row (`mechanism="blt"`, by name only) is weighed under its own accounting: b is
 its min-sep, sigma meets the target as one Gaussian at sigma / sens without
-amplification (`dp.blt_accounting`), and its error is sigma^2 ||A C^-1||_F^2 / n, the
+amplification (`dp.blt.accounting`), and its error is sigma^2 ||A C^-1||_F^2 / n, the
 min-sep loss at that Gaussian's noise multiplier; its state is d buffers, not b - 1.
 
 The numbers compare rows of one plan (same N, B, n, delta); they are not accuracies.
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from cocoon_ckpt.dp import _validate as valid
 from cocoon_ckpt.dp.accountant import AccountingMethod, noise_multiplier_for
-from cocoon_ckpt.dp.blt_accounting import accounting_sensitivity
+from cocoon_ckpt.dp.blt.accounting import accounting_sensitivity
 from cocoon_ckpt.dp.calibration import blt_noise_multiplier
 from cocoon_ckpt.dp.mechanism import BandMF, MechanismKind
 from cocoon_ckpt.dp.plan_rows import Plan, PlanRow
@@ -71,7 +71,7 @@ def _blt_row(
 ) -> tuple[float, float, int]:
     """(sigma, predicted error, buffers) of the BLT fitted for (steps, bands), under
     its own accounting (the module docstring)."""
-    from cocoon_ckpt.dp.blt_optimize import job_blt  # torch: only when a BLT is weighed
+    from cocoon_ckpt.dp.blt.optimize import job_blt  # torch: only when a BLT is weighed
 
     blt = job_blt(steps, bands)
     sens = accounting_sensitivity(blt, steps, bands)

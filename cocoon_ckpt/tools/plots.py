@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from cocoon_ckpt.dp.blt import BLT
+from cocoon_ckpt.dp.blt.strategy import BLT
 from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.errors import MissingExtraError
 from cocoon_ckpt.layout import array_kind

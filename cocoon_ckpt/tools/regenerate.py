@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from cocoon_ckpt.dp.blt import BLT, blt_step
+from cocoon_ckpt.dp.blt.strategy import BLT, blt_step
 from cocoon_ckpt.dp.generator import NoiseRng
 from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.dp.noise import BLOCK, KeyedNoise, bandmf_step

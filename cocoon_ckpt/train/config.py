@@ -115,7 +115,7 @@ class DPConfig:
         mechanism: How the band coefficients are chosen (`optimized`: the least expected error for
             these bands and steps; banded_sqrt's is 6-34% higher for b in 2..64), or `blt`: a
             buffered linear Toeplitz strategy fitted for `steps` with `bands` as its min-sep,
-            accounted without amplification (`cocoon_ckpt.dp.blt_accounting`).
+            accounted without amplification (`cocoon_ckpt.dp.blt.accounting`).
         seed: Sampler and model-initialisation seed (not the noise key, which is secret).
         physical_batch_size: Most examples whose per-sample gradients are taken at once (peak memory
             follows it, not the Poisson batch); None: the whole batch at once. The sums of different

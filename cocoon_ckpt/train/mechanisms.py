@@ -1,6 +1,6 @@
 """A job's mechanism, its noise and its accountant, built from the config: BandMF
 (`CorrelatedNoise`, amplified accounting) or BLT (`BLTNoise`, one Gaussian at the
-min-sep sensitivity, `dp.blt_accounting`).
+min-sep sensitivity, `dp.blt.accounting`).
 
 The kind decides three things that must agree, so they are built in one place: the
 strategy C, the noise state the checkpoints carry (BandMF's b-1 ring slots or BLT's d
@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any, TypeAlias
 
 from cocoon_ckpt.dp.accountant import Accountant
-from cocoon_ckpt.dp.blt import BLT
-from cocoon_ckpt.dp.blt_accounting import accounting_sensitivity
-from cocoon_ckpt.dp.blt_noise import BLTNoise
-from cocoon_ckpt.dp.blt_optimize import job_blt
+from cocoon_ckpt.dp.blt.accounting import accounting_sensitivity
+from cocoon_ckpt.dp.blt.noise import BLTNoise
+from cocoon_ckpt.dp.blt.optimize import job_blt
+from cocoon_ckpt.dp.blt.strategy import BLT
 from cocoon_ckpt.dp.generator import NoiseRng
 from cocoon_ckpt.dp.mechanism import BandMF, MechanismKind
 from cocoon_ckpt.dp.noise import CorrelatedNoise
@@ -43,7 +43,7 @@ Noise: TypeAlias = CorrelatedNoise | BLTNoise
 
 def build_mechanism(config: DPConfig) -> Mechanism:
     """The mechanism a config asks for; a BLT is fitted once per (steps, bands) in this
-    process (`dp.blt_optimize.job_blt`). A resume passes the stored one instead.
+    process (`dp.blt.optimize.job_blt`). A resume passes the stored one instead.
 
     Raises:
         ConfigError: a kind this release cannot build.

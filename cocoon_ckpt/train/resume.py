@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from cocoon_ckpt.dp.blt import BLT
+from cocoon_ckpt.dp.blt.strategy import BLT
 from cocoon_ckpt.dp.generator import check_generator_backend
 from cocoon_ckpt.dp.mechanism import MechanismKind
 from cocoon_ckpt.errors import CocoonError, ConfigMismatchError, NoiseKeyError

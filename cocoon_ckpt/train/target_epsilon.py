@@ -19,7 +19,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from cocoon_ckpt.dp.accountant import epsilon, noise_multiplier_for
-from cocoon_ckpt.dp.blt_accounting import accounting_sensitivity, blt_epsilon
+from cocoon_ckpt.dp.blt.accounting import accounting_sensitivity, blt_epsilon
 from cocoon_ckpt.dp.calibration import blt_noise_multiplier
 from cocoon_ckpt.dp.mechanism import MechanismKind
 from cocoon_ckpt.errors import ConfigError, ConfigMismatchError
@@ -49,7 +49,7 @@ def _blt_sensitivity(dp: DPConfig) -> float | None:
     """The min-sep sensitivity of the BLT this job fits (None: not a BLT job)."""
     if dp.mechanism is not MechanismKind.BLT:
         return None
-    from cocoon_ckpt.dp.blt_optimize import job_blt  # torch: only for a BLT job
+    from cocoon_ckpt.dp.blt.optimize import job_blt  # torch: only for a BLT job
 
     return accounting_sensitivity(job_blt(dp.steps, dp.bands), dp.steps, dp.bands)
 

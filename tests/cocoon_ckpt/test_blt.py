@@ -15,15 +15,15 @@ import torch
 from dp_accounting import pld
 
 from cocoon_ckpt import StateSchemaError
-from cocoon_ckpt.dp.blt import BLT, minsep_sensitivity_squared, pair_from_decays
-from cocoon_ckpt.dp.blt_accounting import (
+from cocoon_ckpt.dp.blt.accounting import (
     accounting_sensitivity,
     blt_dp_event,
     blt_epsilon,
     blt_noise_multiplier_for,
 )
-from cocoon_ckpt.dp.blt_noise import BLTNoise
-from cocoon_ckpt.dp.blt_optimize import optimized_blt, rational_approx_blt
+from cocoon_ckpt.dp.blt.noise import BLTNoise
+from cocoon_ckpt.dp.blt.optimize import optimized_blt, rational_approx_blt
+from cocoon_ckpt.dp.blt.strategy import BLT, minsep_sensitivity_squared, pair_from_decays
 from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.dp.noise import CorrelatedNoise
 

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from cocoon_ckpt import ConfigMismatchError, DPConfig, JobConfig, run_job
-from cocoon_ckpt.dp.blt_accounting import accounting_sensitivity, blt_epsilon
-from cocoon_ckpt.dp.blt_optimize import job_blt, rational_approx_blt
+from cocoon_ckpt.dp.blt.accounting import accounting_sensitivity, blt_epsilon
+from cocoon_ckpt.dp.blt.optimize import job_blt, rational_approx_blt
 from cocoon_ckpt.dp.mechanism import MechanismKind
 from cocoon_ckpt.dp.plan import plan
 from cocoon_ckpt.embedding.config import EmbeddingConfig

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from cocoon_ckpt.dp.blt import BLT
+from cocoon_ckpt.dp.blt.strategy import BLT
 from cocoon_ckpt.dp.generator import NoiseRng
 from cocoon_ckpt.dp.mechanism import BandMF, MechanismKind
 from cocoon_ckpt.dp.ring import HostRing

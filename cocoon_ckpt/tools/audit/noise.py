@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from cocoon_ckpt.dp.blt import BLT
+from cocoon_ckpt.dp.blt.strategy import BLT
 from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.keys import key_id
 from cocoon_ckpt.records import NoiseRecord

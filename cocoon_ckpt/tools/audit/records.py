@@ -25,7 +25,7 @@ def config_epsilon(
     dp: dict[str, Any], steps: int, method: str, mechanism: dict[str, Any] | None = None
 ) -> float:
     """Epsilon after `steps` steps, from the config's dp record and the version's
-    mechanism record (a BLT run is accounted as one Gaussian, `dp.blt_accounting`).
+    mechanism record (a BLT run is accounted as one Gaussian, `dp.blt.accounting`).
 
     Args:
         dp: the `dp` mapping of a config record.
@@ -236,7 +236,7 @@ def _check_accountant(
 def _blt_sensitivity(mechanism: str, steps: int, bands: int) -> float:
     """The min-sep sensitivity of a stored BLT (its record as canonical JSON: every
     version of a run stores the same one, computed once)."""
-    from cocoon_ckpt.dp.blt import BLT
-    from cocoon_ckpt.dp.blt_accounting import accounting_sensitivity
+    from cocoon_ckpt.dp.blt.accounting import accounting_sensitivity
+    from cocoon_ckpt.dp.blt.strategy import BLT
 
     return accounting_sensitivity(BLT.from_state_dict(json.loads(mechanism)), steps, bands)

@@ -2,7 +2,7 @@
 
 The BLT counterpart of `cocoon_ckpt.dp.noise.CorrelatedNoise`: the same keyed fresh
 noise z_t (`KeyedNoise.fresh(t, start, stop)`, a pure function of (key, t, block), I1),
-the same crash points, and `cocoon_ckpt.dp.blt.blt_step` in place of `bandmf_step`.
+the same crash points, and `cocoon_ckpt.dp.blt.strategy.blt_step` in place of `bandmf_step`.
 The state is d buffers of the shard's width (any `RingHistory`, so the tiers can hold
 them) and the next step: d x width floats whatever the number of steps or the
 participation, where BandMF keeps b - 1.
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from cocoon_ckpt._state_dict import check_state
-from cocoon_ckpt.dp.blt import BLT, blt_step
+from cocoon_ckpt.dp.blt.strategy import BLT, blt_step
 from cocoon_ckpt.dp.noise import AFTER_FRESH, AFTER_GEMV, BEFORE_FRESH, KeyedNoise, NoiseRng
 from cocoon_ckpt.dp.ring import RingHistory, load_ring_into, shard_ring
 from state import hooks

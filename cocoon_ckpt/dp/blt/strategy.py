@@ -20,7 +20,7 @@ the ring of past outputs replaced by d decaying sums of them (`blt_step`).
 
 Sensitivity: under b-min-separated participation C is not banded, so columns of
 repeated participations overlap; `BLT.sensitivity` is the min-sep sensitivity of
-`cocoon_ckpt.dp.blt_accounting`, which says how a run is accounted.
+`cocoon_ckpt.dp.blt.accounting`, which says how a run is accounted.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def minsep_sensitivity_squared(
 class BLT:
     """A buffered linear Toeplitz strategy for `steps` steps (d buffers).
 
-    Use `cocoon_ckpt.dp.blt_optimize.optimized_blt` for a strategy fitted to the
+    Use `cocoon_ckpt.dp.blt.optimize.optimized_blt` for a strategy fitted to the
     prefix-sum workload under b-min-separated participation.
 
     Args:

@@ -3,7 +3,7 @@
 The objective is `BLT.minsep_loss`: ||A C^-1||_F^2 (the loss `BandMF.optimized`
 minimises, A the prefix sums) times C's squared min-sep sensitivity, the error at unit
 noise multiplier of the unamplified Gaussian mechanism a BLT run is accounted as
-(`cocoon_ckpt.dp.blt_accounting`). It is jax_privacy's
+(`cocoon_ckpt.dp.blt.accounting`). It is jax_privacy's
 `LossFn.build_min_sep(error="mean")` times n, minimised the way jax_privacy does
 (`buffered_toeplitz.optimize_loss`, McMahan et al., "Hassle-free BLT", 2024):
 
@@ -32,7 +32,7 @@ import math
 import numpy as np
 import torch
 
-from cocoon_ckpt.dp.blt import BLT, pair_from_decays
+from cocoon_ckpt.dp.blt.strategy import BLT, pair_from_decays
 
 __all__ = ["blt_objective", "job_blt", "optimized_blt", "rational_approx_blt"]
 

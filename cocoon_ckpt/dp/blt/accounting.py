@@ -40,7 +40,7 @@ from scipy.stats import norm
 
 if TYPE_CHECKING:
     # only its methods are called: the accountant imports this module without torch
-    from cocoon_ckpt.dp.blt import BLT
+    from cocoon_ckpt.dp.blt.strategy import BLT
 
 __all__ = ["accounting_sensitivity", "blt_dp_event", "blt_epsilon", "blt_noise_multiplier_for"]
 
