@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cocoon_ckpt import BandMF, CorrelatedNoise
+from cocoon_ckpt import BandMF, BandMFNoise
 from cocoon_ckpt.train.distributed import DistContext
 
 KEY = bytes(range(32))
@@ -44,7 +44,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     ctx = DistContext(rank, world)
     mech = BandMF.banded_sqrt(args.bands, 10_000)
     start, stop = ctx.bounds(args.dim)
-    noise = CorrelatedNoise(mech, args.dim, KEY, 1.0, start=start, stop=stop)
+    noise = BandMFNoise(mech, args.dim, KEY, 1.0, start=start, stop=stop)
     for _ in range(args.bands):  # fill the ring: the GEMV reads every slot from here on
         ctx.gather_noise(noise.step(), args.dim)
     local, full = [], []

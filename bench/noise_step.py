@@ -13,7 +13,7 @@ same sum (the engine's kernel before the compiled one) and OpenBLAS sgemv (faste
 some shapes, not split-invariant) are printed beside it. A numpy copy probe (bytes read
 + written, STREAM's convention) is kept for the older figures.
 
-The full noise step (`CorrelatedNoise.step`: keyed fresh noise, the GEMV, w = (z - h) /
+The full noise step (`BandMFNoise.step`: keyed fresh noise, the GEMV, w = (z - h) /
 c0, the ring write) is reported as the time the limit needs to read the ring once,
 divided by the step's time.
 
@@ -40,7 +40,7 @@ import numba
 import numpy as np
 import torch
 
-from cocoon_ckpt import BandMF, CorrelatedNoise, KeyedNoise
+from cocoon_ckpt import BandMF, BandMFNoise, KeyedNoise
 from cocoon_ckpt.dp.default_noise import keyed_gaussians
 from cocoon_ckpt.dp.gemv import mix_history, mix_history_reference
 from cocoon_ckpt.dp.noise import BLOCK
@@ -98,7 +98,7 @@ def gemv_table(m: int, bands: list[int], rounds: int) -> None:
         flat_t = torch.from_numpy(flat)
         mix = mech.mixing_vector(b + 3).astype(np.float32)
         out = np.empty(m, dtype=np.float32)
-        step = CorrelatedNoise(mech, m, key, 1.0)
+        step = BandMFNoise(mech, m, key, 1.0)
         for _ in range(b):  # fill the ring
             step.step()
         fns: dict[str, Callable[[], object]] = {

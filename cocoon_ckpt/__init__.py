@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # the names as static tools see them
         noise_multiplier_for,
     )
     from cocoon_ckpt.dp.mechanism import BandMF, MechanismKind
-    from cocoon_ckpt.dp.noise import BLOCK, GENERATOR_BACKEND, CorrelatedNoise, KeyedNoise
+    from cocoon_ckpt.dp.noise import BLOCK, GENERATOR_BACKEND, BandMFNoise, KeyedNoise
     from cocoon_ckpt.dp.sampler import CyclicPoissonSampler
     from cocoon_ckpt.errors import (
         CocoonError,
@@ -42,10 +42,10 @@ _LAZY = {
     "AccountingMethod": "dp.accountant",
     "BLOCK": "dp.noise",
     "BandMF": "dp.mechanism",
+    "BandMFNoise": "dp.noise",
     "Checkpointer": "train.checkpoint",
     "CocoonError": "errors",
     "ConfigMismatchError": "errors",
-    "CorrelatedNoise": "dp.noise",
     "CyclicPoissonSampler": "dp.sampler",
     "DPConfig": "train.config",
     "DPTrainer": "train.trainer",
@@ -80,10 +80,10 @@ __all__ = [
     "Accountant",
     "AccountingMethod",
     "BandMF",
+    "BandMFNoise",
     "Checkpointer",
     "CocoonError",
     "ConfigMismatchError",
-    "CorrelatedNoise",
     "CyclicPoissonSampler",
     "DPConfig",
     "DPTrainer",

@@ -41,7 +41,7 @@ from state import hooks
 __all__ = [
     "BLOCK",
     "GENERATOR_BACKEND",
-    "CorrelatedNoise",
+    "BandMFNoise",
     "KeyedNoise",
     "NoiseRng",
     "bandmf_step",
@@ -207,7 +207,7 @@ def _after_gemv(t: int) -> None:
     hooks.point(AFTER_GEMV, step=t)
 
 
-class CorrelatedNoise:
+class BandMFNoise:
     """w_t = C^-1 z for one coordinate range [start, stop), one step at a time.
 
     State passed in and out explicitly: `state_dict()` holds the next step, the ring
@@ -304,7 +304,7 @@ class CorrelatedNoise:
         checkpoint reads only the slots it stores (`history.read`), so taking it never
         gathers the whole ring; copy what you keep before the next `step()`."""
         return {
-            "kind": "CorrelatedNoise",
+            "kind": "BandMFNoise",
             "schema_version": 2,
             "t": self.t,
             "start": self.start,
@@ -317,7 +317,7 @@ class CorrelatedNoise:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load `state` (as `state_dict()` returns it, or a resume reads it): its ring,
         any `RingHistory` of this shard's shape, is copied in."""
-        check_state(state, "CorrelatedNoise", 2)
+        check_state(state, "BandMFNoise", 2)
         if (state["start"], state["stop"]) != (self.start, self.stop):
             raise ValueError(
                 f"ring shard [{state['start']}, {state['stop']}) does not match this "

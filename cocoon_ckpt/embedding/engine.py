@@ -16,7 +16,7 @@ import torch
 from cocoon_ckpt._state_dict import check_state
 from cocoon_ckpt.dp.generator import NoiseRng
 from cocoon_ckpt.dp.mechanism import BandMF
-from cocoon_ckpt.dp.noise import CorrelatedNoise
+from cocoon_ckpt.dp.noise import BandMFNoise
 from cocoon_ckpt.embedding.config import TableMode, TableSpec
 from cocoon_ckpt.embedding.csc import CoalescedCSC
 from cocoon_ckpt.embedding.lazy import LazyNoise
@@ -114,11 +114,11 @@ class TableEngine:
         sub = table_key(key, spec.param)
         width = {TableMode.DENSE: rows, TableMode.COALESCED: plan.hot, TableMode.LAZY: 0}
         self.online_rows = width[plan.mode]
-        self.online: CorrelatedNoise | None = None
+        self.online: BandMFNoise | None = None
         if self.online_rows:
             np_dtype = "float64" if dtype == torch.float64 else "float32"
             history = build_history(mechanism.bands - 1, self.online_rows * dim, np_dtype, tiers)
-            self.online = CorrelatedNoise(
+            self.online = BandMFNoise(
                 mechanism,
                 rows * dim,
                 sub,

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from cocoon_ckpt.dp.mechanism import BandMF
-from cocoon_ckpt.dp.noise import BLOCK, CorrelatedNoise
+from cocoon_ckpt.dp.noise import BLOCK, BandMFNoise
 from cocoon_ckpt.embedding.one_thread import one_thread
 
 __all__ = ["UnitCosts", "choose_threshold", "measure_unit_costs"]
@@ -51,7 +51,7 @@ def _best(fn: Any, reps: int) -> float:
 def measure_unit_costs(mechanism: BandMF, dim: int, dtype: torch.dtype, reps: int = 3) -> UnitCosts:
     """Time the online path and entry application on scratch data (about 0.1 s)."""
     width = 2 * BLOCK
-    noise = CorrelatedNoise(mechanism, width, bytes(32), 1.0, dtype)
+    noise = BandMFNoise(mechanism, width, bytes(32), 1.0, dtype)
     param = torch.zeros(width, dtype=dtype)
 
     def online() -> None:

@@ -87,7 +87,7 @@ class TieredHistory:
     @classmethod
     def single_host(cls, slots: int, width: int, dtype: np.dtype[Any] | str) -> TieredHistory:
         """Everything on one host tier, with no profiling (`build_history` without a
-        config). `CorrelatedNoise` without a history takes the lighter `HostRing`, which
+        config). `BandMFNoise` without a history takes the lighter `HostRing`, which
         gives the same bits."""
         dt = np.dtype(dtype)
         tier = HostTier(slots * width * dt.itemsize)

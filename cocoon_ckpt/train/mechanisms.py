@@ -1,5 +1,5 @@
 """A job's mechanism, its noise and its accountant, built from the config: BandMF
-(`CorrelatedNoise`, amplified accounting) or BLT (`BLTNoise`, one Gaussian at the
+(`BandMFNoise`, amplified accounting) or BLT (`BLTNoise`, one Gaussian at the
 min-sep sensitivity, `dp.blt.accounting`).
 
 The kind decides three things that must agree, so they are built in one place: the
@@ -18,7 +18,7 @@ from cocoon_ckpt.dp.blt.optimize import job_blt
 from cocoon_ckpt.dp.blt.strategy import BLT
 from cocoon_ckpt.dp.generator import NoiseRng
 from cocoon_ckpt.dp.mechanism import BandMF, MechanismKind
-from cocoon_ckpt.dp.noise import CorrelatedNoise
+from cocoon_ckpt.dp.noise import BandMFNoise
 from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.tiers.build import build_history
 from cocoon_ckpt.tiers.config import TierConfig
@@ -37,7 +37,7 @@ __all__ = [
 
 Mechanism: TypeAlias = BandMF | BLT
 """A strategy the trainer runs."""
-Noise: TypeAlias = CorrelatedNoise | BLTNoise
+Noise: TypeAlias = BandMFNoise | BLTNoise
 """Its streaming noise (both keep their state in a `RingHistory`)."""
 
 
@@ -128,7 +128,7 @@ def build_noise(
     common: dict[str, Any] = {"start": start, "stop": stop, "rng": rng}
     if isinstance(mechanism, BLT):
         return BLTNoise(mechanism, dim, key, noise_std, dtype, buffers=history, **common)
-    return CorrelatedNoise(mechanism, dim, key, noise_std, dtype, history=history, **common)
+    return BandMFNoise(mechanism, dim, key, noise_std, dtype, history=history, **common)
 
 
 def build_accountant(config: DPConfig, mechanism: Mechanism) -> Accountant:

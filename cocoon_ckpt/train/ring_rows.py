@@ -202,7 +202,7 @@ def slot_values(version: Version, ref: SlotRef) -> np.ndarray:
 
 
 def load_ring(noise: dict[str, Any], shards: list[ShardRecord], version: Version) -> dict[str, Any]:
-    """The CorrelatedNoise state of `noise`'s [start, stop) (a live state dict, read
+    """The BandMFNoise state of `noise`'s [start, stop) (a live state dict, read
     for its range, ring shape and dtype) from stored ring shards of any split, slots
     in either record form: only the overlaps are read (I1 and the fixed-order kernel
     make the noise independent of how it was split)."""

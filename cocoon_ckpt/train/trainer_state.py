@@ -20,7 +20,7 @@ from cocoon_ckpt.records import IdentityRecord, PlacementRecord
 
 if TYPE_CHECKING:
     from cocoon_ckpt.dp.blt.noise import BLTNoise
-    from cocoon_ckpt.dp.noise import CorrelatedNoise
+    from cocoon_ckpt.dp.noise import BandMFNoise
     from cocoon_ckpt.embedding.csc import CoalescedCSC
     from cocoon_ckpt.embedding.tables import EmbeddingNoise
 
@@ -115,7 +115,7 @@ class TrainerState(TypedDict):
     optimizer: dict[str, Any]
     """torch's optimizer state_dict."""
     noise: dict[str, Any]
-    """`CorrelatedNoise.state_dict()` (or `BLTNoise.state_dict()`, its d buffers as the
+    """`BandMFNoise.state_dict()` (or `BLTNoise.state_dict()`, its d buffers as the
     ring, every one new each version) of this rank's shard: its `ring` is the live
     `RingHistory`, of which a checkpoint copies only the slots new since its parent."""
     noise_layout: NoiseLayout
@@ -193,7 +193,7 @@ def load_parts(state: TrainerState, scheduler: Any, stateful: dict[str, Any]) ->
 
 
 def noise_layout(
-    noise: CorrelatedNoise | BLTNoise, dim: int, param_names: list[str], rank: int | None
+    noise: BandMFNoise | BLTNoise, dim: int, param_names: list[str], rank: int | None
 ) -> NoiseLayout:
     """The layout of `noise`, this rank's shard of a `dim`-long vector."""
     placement = [

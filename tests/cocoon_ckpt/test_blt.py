@@ -25,7 +25,7 @@ from cocoon_ckpt.dp.blt.noise import BLTNoise
 from cocoon_ckpt.dp.blt.optimize import optimized_blt, rational_approx_blt
 from cocoon_ckpt.dp.blt.strategy import BLT, minsep_sensitivity_squared, pair_from_decays
 from cocoon_ckpt.dp.mechanism import BandMF
-from cocoon_ckpt.dp.noise import CorrelatedNoise
+from cocoon_ckpt.dp.noise import BandMFNoise
 
 KEY = bytes(range(32))
 GOLDEN = Path(__file__).parent / "golden" / "blt_jax_privacy.json"
@@ -65,7 +65,7 @@ def test_fresh_noise_is_the_banded_mechanisms() -> None:
     """I1: z_t is drawn from (key, t, block) exactly as BandMF's noise draws it, and a
     BLT without buffers is DP-SGD, bit for bit."""
     blt_noise = BLTNoise(BLT([], [], steps=5), 300, KEY, 0.9, "float32")
-    band_noise = CorrelatedNoise(BandMF.banded_sqrt(1, 5), 300, KEY, 0.9, "float32")
+    band_noise = BandMFNoise(BandMF.banded_sqrt(1, 5), 300, KEY, 0.9, "float32")
     for t in range(5):
         assert torch.equal(blt_noise.fresh_noise.fresh(t), band_noise.fresh_noise.fresh(t))
         assert torch.equal(blt_noise.step(), band_noise.step())
@@ -94,7 +94,7 @@ def test_state_is_refused_when_it_disagrees() -> None:
     blt = rational_approx_blt(2, 10)
     noise = BLTNoise(blt, 8, KEY, 1.0, "float64")
     with pytest.raises(StateSchemaError):
-        noise.load_state_dict({**noise.state_dict(), "kind": "CorrelatedNoise"})
+        noise.load_state_dict({**noise.state_dict(), "kind": "BandMFNoise"})
     with pytest.raises(ValueError, match="BLT buffers are"):
         BLTNoise(blt, 8, KEY, 1.0, "float32").load_state_dict(noise.state_dict())
     with pytest.raises(ValueError, match="does not match"):

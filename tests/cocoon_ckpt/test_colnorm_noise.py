@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cocoon_ckpt.dp.mechanism import BandMF, MechanismKind
-from cocoon_ckpt.dp.noise import CorrelatedNoise
+from cocoon_ckpt.dp.noise import BandMFNoise
 from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.train.config import DPConfig
 from cocoon_ckpt.train.trainer import build_mechanism
@@ -18,12 +18,12 @@ KEY = bytes(range(32))
 @pytest.mark.parametrize(("bands", "steps"), [(4, 20), (8, 40), (2, 9)])
 def test_streamed_noise_equals_the_dense_solve(bands: int, steps: int) -> None:
     m = BandMF.optimized_colnorm(bands, steps)
-    cn = CorrelatedNoise(m, 37, KEY, 1.0, "float64")
+    cn = BandMFNoise(m, 37, KEY, 1.0, "float64")
     want = cn.materialize(steps)
     got = torch.stack([cn.step() for _ in range(steps)])
     torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
     # the tail is where the two kinds part: the last b-1 steps are scaled down
-    plain = CorrelatedNoise(BandMF.optimized(bands, steps), 37, KEY, 1.0, "float64")
+    plain = BandMFNoise(BandMF.optimized(bands, steps), 37, KEY, 1.0, "float64")
     ref = torch.stack([plain.step() for _ in range(steps)])
     assert torch.equal(got[: steps - bands + 1], ref[: steps - bands + 1])
     assert not torch.equal(got[-1], ref[-1])

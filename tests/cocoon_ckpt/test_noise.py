@@ -5,7 +5,7 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from cocoon_ckpt import BLOCK, BandMF, CorrelatedNoise, KeyedNoise, StateSchemaError
+from cocoon_ckpt import BLOCK, BandMF, BandMFNoise, KeyedNoise, StateSchemaError
 
 KEY = bytes(range(32))
 
@@ -14,7 +14,7 @@ KEY = bytes(range(32))
 def test_w_equals_dense_triangular_solve(bands: int) -> None:
     n = 200
     m = BandMF.banded_sqrt(bands, n)
-    cn = CorrelatedNoise(m, 300, KEY, 1.3, "float64")
+    cn = BandMFNoise(m, 300, KEY, 1.3, "float64")
     got = torch.stack([cn.step() for _ in range(n)])
     z = torch.stack([cn.fresh_noise.fresh(t) for t in range(n)])
     ref = torch.linalg.solve_triangular(torch.from_numpy(m.matrix(n)), z, upper=False)
@@ -30,7 +30,7 @@ def test_w_equals_dense_triangular_solve(bands: int) -> None:
 def test_w_equals_dense_solve_property(bands: int, n: int, dim: int, optimized: bool) -> None:
     assume(bands <= n)
     m = BandMF.optimized(bands, n, max_iter=20) if optimized else BandMF.banded_sqrt(bands, n)
-    cn = CorrelatedNoise(m, dim, KEY, 1.0, "float64")
+    cn = BandMFNoise(m, dim, KEY, 1.0, "float64")
     got = torch.stack([cn.step() for _ in range(n)])
     assert torch.allclose(got, cn.materialize(n), atol=1e-10, rtol=0)
 
@@ -68,23 +68,23 @@ def test_key_is_validated_and_never_shown() -> None:
 
 def test_state_dict_resume_mid_run_is_bit_identical() -> None:
     m = BandMF.banded_sqrt(8, 40)
-    a = CorrelatedNoise(m, 500, KEY, 1.0)
+    a = BandMFNoise(m, 500, KEY, 1.0)
     ref = [a.step() for _ in range(40)]
-    b = CorrelatedNoise(m, 500, KEY, 1.0)
+    b = BandMFNoise(m, 500, KEY, 1.0)
     for _ in range(13):
         b.step()
-    c = CorrelatedNoise(m, 500, KEY, 1.0)
+    c = BandMFNoise(m, 500, KEY, 1.0)
     c.load_state_dict(b.state_dict())
     rest = [c.step() for _ in range(27)]
     assert all(torch.equal(x, y) for x, y in zip(ref[13:], rest, strict=True))
-    with pytest.raises(StateSchemaError, match="CorrelatedNoise"):
+    with pytest.raises(StateSchemaError, match="BandMFNoise"):
         c.load_state_dict({"kind": "Accountant", "schema_version": 1})
 
 
 def test_shard_ranges_compose_to_the_whole_mechanism() -> None:
     m = BandMF.banded_sqrt(4, 20)
-    whole = CorrelatedNoise(m, 1000, KEY, 1.0)
-    lo = CorrelatedNoise(m, 1000, KEY, 1.0, start=0, stop=400)
-    hi = CorrelatedNoise(m, 1000, KEY, 1.0, start=400, stop=1000)
+    whole = BandMFNoise(m, 1000, KEY, 1.0)
+    lo = BandMFNoise(m, 1000, KEY, 1.0, start=0, stop=400)
+    hi = BandMFNoise(m, 1000, KEY, 1.0, start=400, stop=1000)
     for _ in range(20):
         assert torch.equal(torch.cat([lo.step(), hi.step()]), whole.step())

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from cocoon_ckpt import BandMF, CorrelatedNoise
+from cocoon_ckpt import BandMF, BandMFNoise
 from cocoon_ckpt.dp.noise import bandmf_step
 from cocoon_ckpt.dp.ring import HostRing, RingHistory
 from cocoon_ckpt.tiers import DeviceTier, HostTier, TieredHistory
@@ -27,7 +27,7 @@ def test_both_histories_satisfy_the_protocol() -> None:
 
 
 def test_default_history_is_a_host_ring() -> None:
-    cn = CorrelatedNoise(BandMF.banded_sqrt(4, 10), 50, KEY, 1.0)
+    cn = BandMFNoise(BandMF.banded_sqrt(4, 10), 50, KEY, 1.0)
     assert isinstance(cn.history, HostRing)
     assert cn.history.placement() == [{"tier": "host", "start": 0, "stop": 50}]
     assert cn.history_bytes() == 3 * 50 * 4
@@ -39,8 +39,8 @@ def test_noise_over_tiered_history_equals_host_ring(bands: int, dtype: str) -> N
     mech = BandMF.banded_sqrt(bands, 30)
     dim = 777
     single = TieredHistory.single_host(bands - 1, dim, dtype)
-    ref = CorrelatedNoise(mech, dim, KEY, 1.3, dtype)
-    tiered = CorrelatedNoise(mech, dim, KEY, 1.3, dtype, history=single)
+    ref = BandMFNoise(mech, dim, KEY, 1.3, dtype)
+    tiered = BandMFNoise(mech, dim, KEY, 1.3, dtype, history=single)
     try:
         assert single.placement() == ref.history.placement()
         for _ in range(20):
@@ -57,13 +57,13 @@ def test_noise_over_two_tiers_equals_host_ring_and_resumes_across() -> None:
     two = TieredHistory(
         5, dim, "float32", [DeviceTier(1 << 30), HostTier(1 << 30)], {"device": 1, "host": 1}, U
     )
-    ref = CorrelatedNoise(mech, dim, KEY, 0.9)
-    tiered = CorrelatedNoise(mech, dim, KEY, 0.9, history=two)
+    ref = BandMFNoise(mech, dim, KEY, 0.9)
+    tiered = BandMFNoise(mech, dim, KEY, 0.9, history=two)
     try:
         for _ in range(9):
             assert torch.equal(ref.step(), tiered.step())
         # a tiered run's state resumes on a plain host ring, bit for bit
-        resumed = CorrelatedNoise(mech, dim, KEY, 0.9)
+        resumed = BandMFNoise(mech, dim, KEY, 0.9)
         resumed.load_state_dict(tiered.state_dict())
         for _ in range(9):
             w = ref.step()

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from cocoon_ckpt import ResumeAllowances, export_model, run_job
 from cocoon_ckpt.dp.mechanism import BandMF
-from cocoon_ckpt.dp.noise import CorrelatedNoise
+from cocoon_ckpt.dp.noise import BandMFNoise
 from cocoon_ckpt.dp.ring import HostRing
 from cocoon_ckpt.layout import ring_name, ring_rows_name
 from cocoon_ckpt.tools.audit import audit_store
@@ -47,11 +47,11 @@ class _CountingRing(HostRing):
         raise AssertionError("a snapshot must not gather the whole ring")
 
 
-def _noise(bands: int, history: HostRing | None = None) -> CorrelatedNoise:
-    return CorrelatedNoise(BandMF.banded_sqrt(bands, 64), WIDTH, KEY, 1.0, history=history)
+def _noise(bands: int, history: HostRing | None = None) -> BandMFNoise:
+    return BandMFNoise(BandMF.banded_sqrt(bands, 64), WIDTH, KEY, 1.0, history=history)
 
 
-def _commit(store: Store, noise: CorrelatedNoise, parent: Manifest | None) -> Manifest:
+def _commit(store: Store, noise: BandMFNoise, parent: Manifest | None) -> Manifest:
     """One version holding the noise ring as the codec writes it."""
     state = noise.state_dict()
     arrays: dict[str, np.ndarray] = {}

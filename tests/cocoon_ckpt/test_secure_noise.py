@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from cocoon_ckpt import BLOCK, BandMF, CorrelatedNoise, KeyedNoise
+from cocoon_ckpt import BLOCK, BandMF, BandMFNoise, KeyedNoise
 from cocoon_ckpt.dp.generator import (
     GENERATOR_BACKEND,
     NoiseRng,
@@ -212,13 +212,13 @@ def test_missing_cryptography_is_a_missing_extra(monkeypatch: pytest.MonkeyPatch
 
 def test_correlated_noise_in_secure_mode_matches_the_dense_solve_and_resumes() -> None:
     mech = BandMF.banded_sqrt(4, 12)
-    cn = CorrelatedNoise(mech, 300, KEY, 1.3, "float64", rng="secure")
+    cn = BandMFNoise(mech, 300, KEY, 1.3, "float64", rng="secure")
     assert cn.fresh_noise.rng is NoiseRng.SECURE
     got = torch.stack([cn.step() for _ in range(12)])
     assert torch.allclose(got, cn.materialize(12), atol=1e-10, rtol=0)
-    a = CorrelatedNoise(mech, 300, KEY, 1.3, "float32", rng="secure")
+    a = BandMFNoise(mech, 300, KEY, 1.3, "float32", rng="secure")
     for _ in range(5):
         a.step()
-    b = CorrelatedNoise(mech, 300, KEY, 1.3, "float32", rng="secure")
+    b = BandMFNoise(mech, 300, KEY, 1.3, "float32", rng="secure")
     b.load_state_dict(a.state_dict())
     assert torch.equal(a.step(), b.step())

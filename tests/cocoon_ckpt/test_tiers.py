@@ -17,7 +17,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cocoon_ckpt import BandMF, CorrelatedNoise, run_job
+from cocoon_ckpt import BandMF, BandMFNoise, run_job
 from cocoon_ckpt.dp.gemv import mix_history, mix_history_torch
 from cocoon_ckpt.tiers import (
     DeviceTier,
@@ -110,8 +110,8 @@ def test_correlated_noise_on_tiers_equals_single_host() -> None:
     mech = BandMF.banded_sqrt(6, 40)
     dim = 2 * U + 999
     key = bytes(range(32))
-    ref = CorrelatedNoise(mech, dim, key, 1.3)
-    tiered = CorrelatedNoise(
+    ref = BandMFNoise(mech, dim, key, 1.3)
+    tiered = BandMFNoise(
         mech,
         dim,
         key,

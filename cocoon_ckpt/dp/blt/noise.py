@@ -1,6 +1,6 @@
 """BLT correlated noise w = C^-1 z for one coordinate range, one step at a time.
 
-The BLT counterpart of `cocoon_ckpt.dp.noise.CorrelatedNoise`: the same keyed fresh
+The BLT counterpart of `cocoon_ckpt.dp.noise.BandMFNoise`: the same keyed fresh
 noise z_t (`KeyedNoise.fresh(t, start, stop)`, a pure function of (key, t, block), I1),
 the same crash points, and `cocoon_ckpt.dp.blt.strategy.blt_step` in place of `bandmf_step`.
 The state is d buffers of the shard's width (any `RingHistory`, so the tiers can hold
@@ -129,7 +129,7 @@ class BLTNoise:
     def state_dict(self) -> dict[str, Any]:
         """The next step and the shard, plus the buffers by reference (`ring`, the live
         `RingHistory`, with `slot_steps`: the form the snapshot codec writes for
-        `CorrelatedNoise` too); copy what you keep before the next `step()`."""
+        `BandMFNoise` too); copy what you keep before the next `step()`."""
         return {
             "kind": "BLTNoise",
             "schema_version": 2,
