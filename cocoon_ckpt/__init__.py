@@ -7,12 +7,15 @@ from cocoon_ckpt._lazy import attach
 
 if TYPE_CHECKING:  # the names as static tools see them
     from cocoon_ckpt._version import __version__ as __version__
-    from cocoon_ckpt.dp.accounting.accountant import Accountant
-    from cocoon_ckpt.dp.accounting.amplified import epsilon
-    from cocoon_ckpt.dp.accounting.calibration import noise_multiplier_for
-    from cocoon_ckpt.dp.accounting.method import AccountingMethod
+    from cocoon_ckpt.dp.accountant import (
+        Accountant,
+        AccountingMethod,
+        epsilon,
+        noise_multiplier_for,
+    )
+    from cocoon_ckpt.dp.bandmf_noise import BandMFNoise
     from cocoon_ckpt.dp.mechanism import BandMF, MechanismKind
-    from cocoon_ckpt.dp.noise import BLOCK, GENERATOR_BACKEND, BandMFNoise, KeyedNoise
+    from cocoon_ckpt.dp.noise import BLOCK, GENERATOR_BACKEND, KeyedNoise
     from cocoon_ckpt.dp.sampler import CyclicPoissonSampler
     from cocoon_ckpt.errors import (
         CocoonError,
@@ -36,11 +39,11 @@ if TYPE_CHECKING:  # the names as static tools see them
 # commands never import torch or dp-accounting, and start in a fraction of a second.
 _LAZY = {
     "__version__": "_version",  # pyproject's version, from the installed metadata
-    "Accountant": "dp.accounting.accountant",
-    "AccountingMethod": "dp.accounting.method",
+    "Accountant": "dp.accountant",
+    "AccountingMethod": "dp.accountant",
     "BLOCK": "dp.noise",
     "BandMF": "dp.mechanism",
-    "BandMFNoise": "dp.noise",
+    "BandMFNoise": "dp.bandmf_noise",
     "Checkpointer": "train.checkpoint",
     "CocoonError": "errors",
     "ConfigMismatchError": "errors",
@@ -61,9 +64,9 @@ _LAZY = {
     "StateSchemaError": "errors",
     "StepResult": "train.trainer",
     "UnsupportedModelError": "errors",
-    "epsilon": "dp.accounting.amplified",
+    "epsilon": "dp.accountant",
     "export_model": "tools.export",
-    "noise_multiplier_for": "dp.accounting.calibration",
+    "noise_multiplier_for": "dp.accountant",
     "open_job": "train.session",
     "run_job": "train.runner",
 }

@@ -14,9 +14,9 @@ import numpy as np
 import torch
 
 from cocoon_ckpt._state_dict import check_state
+from cocoon_ckpt.dp.bandmf_noise import BandMFNoise
 from cocoon_ckpt.dp.generator import NoiseRng
 from cocoon_ckpt.dp.mechanism import BandMF
-from cocoon_ckpt.dp.noise import BandMFNoise
 from cocoon_ckpt.embedding.config import TableMode, TableSpec
 from cocoon_ckpt.embedding.csc import CoalescedCSC
 from cocoon_ckpt.embedding.lazy import LazyNoise

@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from cocoon_ckpt.dp.bandmf_noise import BandMFNoise
 from cocoon_ckpt.dp.mechanism import BandMF
-from cocoon_ckpt.dp.noise import BLOCK, BandMFNoise
+from cocoon_ckpt.dp.noise import BLOCK
 from cocoon_ckpt.embedding.one_thread import one_thread
 
 __all__ = ["UnitCosts", "choose_threshold", "measure_unit_costs"]

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from typing import Any, TypeAlias
 
-from cocoon_ckpt.dp.accounting.accountant import Accountant
+from cocoon_ckpt.dp.accountant import Accountant
+from cocoon_ckpt.dp.bandmf_noise import BandMFNoise
 from cocoon_ckpt.dp.blt.accounting import accounting_sensitivity
 from cocoon_ckpt.dp.blt.noise import BLTNoise
 from cocoon_ckpt.dp.blt.optimize import job_blt
 from cocoon_ckpt.dp.blt.strategy import BLT
 from cocoon_ckpt.dp.generator import NoiseRng
 from cocoon_ckpt.dp.mechanism import BandMF, MechanismKind
-from cocoon_ckpt.dp.noise import BandMFNoise
 from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.tiers.build import build_history
 from cocoon_ckpt.tiers.config import TierConfig

@@ -19,8 +19,8 @@ from cocoon_ckpt._state_dict import check_state
 from cocoon_ckpt.records import IdentityRecord, PlacementRecord
 
 if TYPE_CHECKING:
+    from cocoon_ckpt.dp.bandmf_noise import BandMFNoise
     from cocoon_ckpt.dp.blt.noise import BLTNoise
-    from cocoon_ckpt.dp.noise import BandMFNoise
     from cocoon_ckpt.embedding.csc import CoalescedCSC
     from cocoon_ckpt.embedding.tables import EmbeddingNoise
 

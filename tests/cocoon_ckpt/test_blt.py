@@ -15,6 +15,7 @@ import torch
 from dp_accounting import pld
 
 from cocoon_ckpt import StateSchemaError
+from cocoon_ckpt.dp.bandmf_noise import BandMFNoise
 from cocoon_ckpt.dp.blt.accounting import (
     accounting_sensitivity,
     blt_dp_event,
@@ -25,7 +26,6 @@ from cocoon_ckpt.dp.blt.noise import BLTNoise
 from cocoon_ckpt.dp.blt.optimize import optimized_blt, rational_approx_blt
 from cocoon_ckpt.dp.blt.strategy import BLT, minsep_sensitivity_squared, pair_from_decays
 from cocoon_ckpt.dp.mechanism import BandMF
-from cocoon_ckpt.dp.noise import BandMFNoise
 
 KEY = bytes(range(32))
 GOLDEN = Path(__file__).parent / "golden" / "blt_jax_privacy.json"

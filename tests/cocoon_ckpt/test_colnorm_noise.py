@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cocoon_ckpt.dp.bandmf_noise import BandMFNoise
 from cocoon_ckpt.dp.mechanism import BandMF, MechanismKind
-from cocoon_ckpt.dp.noise import BandMFNoise
 from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.train.config import DPConfig
 from cocoon_ckpt.train.trainer import build_mechanism

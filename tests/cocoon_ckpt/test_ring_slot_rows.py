@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cocoon_ckpt import ResumeAllowances, export_model, run_job
+from cocoon_ckpt.dp.bandmf_noise import BandMFNoise
 from cocoon_ckpt.dp.mechanism import BandMF
-from cocoon_ckpt.dp.noise import BandMFNoise
 from cocoon_ckpt.dp.ring import HostRing
 from cocoon_ckpt.layout import ring_name, ring_rows_name
 from cocoon_ckpt.tools.audit import audit_store

@@ -1,6 +1,6 @@
 """BLT correlated noise w = C^-1 z for one coordinate range, one step at a time.
 
-The BLT counterpart of `cocoon_ckpt.dp.noise.BandMFNoise`: the same keyed fresh
+The BLT counterpart of `cocoon_ckpt.dp.bandmf_noise.BandMFNoise`: the same keyed fresh
 noise z_t (`KeyedNoise.fresh(t, start, stop)`, a pure function of (key, t, block), I1),
 the same crash points, and `cocoon_ckpt.dp.blt.strategy.blt_step` in place of `bandmf_step`.
 The state is d buffers of the shard's width (any `RingHistory`, so the tiers can hold

@@ -1,0 +1,153 @@
+"""BandMF's streaming noise: w = C^-1 z for one coordinate range, one step at a time.
+
+`BandMFNoise` runs `cocoon_ckpt.dp.noise.bandmf_step` on the keyed fresh noise
+(`KeyedNoise`, I1) and keeps the last b-1 outputs in a `RingHistory` (the tiers can hold
+it), with the crash points of `cocoon_ckpt.dp.noise`. It is one `NoiseMechanism`; a BLT's
+is `cocoon_ckpt.dp.blt.noise.BLTNoise`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cocoon_ckpt._state_dict import check_state
+from cocoon_ckpt.dp.mechanism import BandMF
+from cocoon_ckpt.dp.noise import (
+    AFTER_FRESH,
+    AFTER_GEMV,
+    BEFORE_FRESH,
+    KeyedNoise,
+    NoiseRng,
+    bandmf_step,
+)
+from cocoon_ckpt.dp.ring import RingHistory, load_ring_into, shard_ring
+from state import hooks
+
+__all__ = ["BandMFNoise"]
+
+
+def _after_gemv(t: int) -> None:
+    hooks.point(AFTER_GEMV, step=t)
+
+
+class BandMFNoise:
+    """w_t = C^-1 z for one coordinate range [start, stop), one step at a time.
+
+    State passed in and out explicitly: `state_dict()` holds the next step, the ring
+    layout and (as arrays) the ring slots. `materialize(n)` gives the dense reference.
+
+    Args:
+        mechanism: the BandMF strategy.
+        dim: m, the full model dimension (the key's coordinate space).
+        key: 32 secret bytes.
+        noise_std: sigma * clip.
+        dtype: float32 or float64.
+        start: first coordinate of the range this instance serves (a shard); 0 by default.
+        stop: end of that range (exclusive); None: the whole dimension.
+        history: where the ring lives, any `RingHistory` (`cocoon_ckpt.tiers` places it
+            over device, host and far memory); a `HostRing` by default.
+        rng: the fresh noise's generator (`NoiseRng`).
+    """
+
+    def __init__(
+        self,
+        mechanism: BandMF,
+        dim: int,
+        key: bytes,
+        noise_std: float,
+        dtype: str | torch.dtype = "float32",
+        *,
+        start: int = 0,
+        stop: int | None = None,
+        history: RingHistory | None = None,
+        rng: NoiseRng | str = NoiseRng.DEFAULT,
+    ) -> None:
+        self.mechanism = mechanism
+        self.fresh_noise = KeyedNoise(key, dim, noise_std, dtype, rng)
+        self.start = start
+        self.stop = dim if stop is None else stop
+        if not 0 <= self.start <= self.stop <= dim:
+            raise ValueError(f"shard [{start}, {stop}) is outside [0, {dim})")
+        self.dtype = self.fresh_noise.dtype
+        self.t = 0
+        self.history: RingHistory = shard_ring(
+            history,
+            mechanism.bands - 1,
+            self.stop - self.start,
+            self.fresh_noise.np_dtype.name,
+            "history is",
+        )
+        self.slot_steps: list[int | None] = [None] * self.history.slots
+
+    @property
+    def width(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def ring(self) -> torch.Tensor:
+        """A copy of the ring, (b-1, width), gathered from the tiers."""
+        return torch.from_numpy(self.history.gather())
+
+    def history_bytes(self) -> int:
+        return self.history.nbytes
+
+    def close(self) -> None:
+        """Free the history's tiers (stops a far-memory worker)."""
+        self.history.close()
+
+    def step(self) -> torch.Tensor:
+        """Produce w_t for the current t, push it into the ring, advance t.
+
+        Returns:
+            w_t[start:stop], shape (width,), a fresh tensor (not a view of the ring).
+        """
+        t = self.t
+        hooks.point(BEFORE_FRESH, step=t)
+        z = self.fresh_noise.fresh(t, self.start, self.stop)
+        hooks.point(AFTER_FRESH, step=t)
+        # Each tier computes its columns where they lie, in one order of rounding.
+        w = bandmf_step(self.mechanism, t, z, self.history, after_gemv=_after_gemv)
+        slots = self.mechanism.bands - 1
+        if slots:
+            self.slot_steps[t % slots] = t
+        self.t = t + 1
+        return w
+
+    def materialize(self, n: int) -> torch.Tensor:
+        """Dense reference: all of w_0..w_{n-1} by a triangular solve of C W = Z,
+        (n, width). Does not touch this instance's state."""
+        z = torch.stack([self.fresh_noise.fresh(t, self.start, self.stop) for t in range(n)])
+        c = torch.from_numpy(self.mechanism.matrix(n)).to(self.dtype)
+        w: torch.Tensor = torch.linalg.solve_triangular(c, z, upper=False)
+        return w
+
+    # state -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Small record plus the live ring, by reference (the `RingHistory`): a
+        checkpoint reads only the slots it stores (`history.read`), so taking it never
+        gathers the whole ring; copy what you keep before the next `step()`."""
+        return {
+            "kind": "BandMFNoise",
+            "schema_version": 2,
+            "t": self.t,
+            "start": self.start,
+            "stop": self.stop,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "slot_steps": list(self.slot_steps),
+            "ring": self.history,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load `state` (as `state_dict()` returns it, or a resume reads it): its ring,
+        any `RingHistory` of this shard's shape, is copied in."""
+        check_state(state, "BandMFNoise", 2)
+        if (state["start"], state["stop"]) != (self.start, self.stop):
+            raise ValueError(
+                f"ring shard [{state['start']}, {state['stop']}) does not match this "
+                f"instance's [{self.start}, {self.stop})"
+            )
+        load_ring_into(self.history, state["ring"], "ring is")
+        self.slot_steps = list(state["slot_steps"])
+        self.t = int(state["t"])
