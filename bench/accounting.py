@@ -5,7 +5,7 @@ dp-accounting used directly, side by side in one process.
                                [--dataset 2048] [--sigma 1.0] [--no-calibrate-baseline]
 
 1. A job of `--steps` steps checkpointing every `--every` steps reports epsilon at each
-   checkpoint: ours (`cocoon_ckpt.dp.accountant.epsilon`, caches cleared first, as in a
+   checkpoint: ours (`cocoon_ckpt.dp.accounting.epsilon`, caches cleared first, as in a
    fresh process) against a fresh `PLDAccountant` composing the event at each
    checkpoint (what the engine did before). The values must be equal; the script says
    so. Defaults: the mlp example's privacy settings.
@@ -35,8 +35,9 @@ import cadence  # bench/cadence.py, beside this script
 import dp_accounting
 from dp_accounting import pld
 
-from cocoon_ckpt.dp import _pld_kernels, accountant, pld_composition, pld_gaussian
-from cocoon_ckpt.dp.accountant import dp_event, epsilon, noise_multiplier_for
+from cocoon_ckpt.dp.accounting import _pld_kernels, accountant, pld_composition, pld_gaussian
+from cocoon_ckpt.dp.accounting.amplified import dp_event, epsilon
+from cocoon_ckpt.dp.accounting.calibration import noise_multiplier_for
 
 
 def _clear() -> None:

@@ -23,9 +23,9 @@ from __future__ import annotations
 import argparse
 import math
 
+from cocoon_ckpt.dp.accounting.calibration import noise_multiplier_for
 from cocoon_ckpt.dp.blt.accounting import blt_noise_multiplier_for
 from cocoon_ckpt.dp.blt.optimize import optimized_blt
-from cocoon_ckpt.dp.calibration import noise_multiplier_for
 from cocoon_ckpt.dp.mechanism import BandMF
 
 FLOAT32 = 4

@@ -7,12 +7,10 @@ from cocoon_ckpt._lazy import attach
 
 if TYPE_CHECKING:  # the names as static tools see them
     from cocoon_ckpt._version import __version__ as __version__
-    from cocoon_ckpt.dp.accountant import (
-        Accountant,
-        AccountingMethod,
-        epsilon,
-        noise_multiplier_for,
-    )
+    from cocoon_ckpt.dp.accounting.accountant import Accountant
+    from cocoon_ckpt.dp.accounting.amplified import epsilon
+    from cocoon_ckpt.dp.accounting.calibration import noise_multiplier_for
+    from cocoon_ckpt.dp.accounting.method import AccountingMethod
     from cocoon_ckpt.dp.bandmf_noise import BandMFNoise
     from cocoon_ckpt.dp.mechanism import BandMF, MechanismKind
     from cocoon_ckpt.dp.noise import BLOCK, GENERATOR_BACKEND, KeyedNoise
@@ -39,8 +37,8 @@ if TYPE_CHECKING:  # the names as static tools see them
 # commands never import torch or dp-accounting, and start in a fraction of a second.
 _LAZY = {
     "__version__": "_version",  # pyproject's version, from the installed metadata
-    "Accountant": "dp.accountant",
-    "AccountingMethod": "dp.accountant",
+    "Accountant": "dp.accounting.accountant",
+    "AccountingMethod": "dp.accounting.method",
     "BLOCK": "dp.noise",
     "BandMF": "dp.mechanism",
     "BandMFNoise": "dp.bandmf_noise",
@@ -64,9 +62,9 @@ _LAZY = {
     "StateSchemaError": "errors",
     "StepResult": "train.trainer",
     "UnsupportedModelError": "errors",
-    "epsilon": "dp.accountant",
+    "epsilon": "dp.accounting.amplified",
     "export_model": "tools.export",
-    "noise_multiplier_for": "dp.accountant",
+    "noise_multiplier_for": "dp.accounting.calibration",
     "open_job": "train.session",
     "run_job": "train.runner",
 }

@@ -118,7 +118,8 @@ def _epsilon_at(
     """Add epsilon at each of `deltas` to `report.info`, composed from the stored event of
     the newest version that verifies; a stored event other than the one its config and
     step imply is a finding instead (nothing is computed from it)."""
-    from cocoon_ckpt.dp.accountant import Accountant, epsilon_of_event
+    from cocoon_ckpt.dp.accounting.accountant import Accountant
+    from cocoon_ckpt.dp.accounting.amplified import epsilon_of_event
     from cocoon_ckpt.train.config import DPConfig
     from state import Store
 

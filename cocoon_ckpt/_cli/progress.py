@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any, Literal, TextIO
 
 if TYPE_CHECKING:
-    from cocoon_ckpt.dp.accountant import Accountant
+    from cocoon_ckpt.dp.accounting.accountant import Accountant
     from cocoon_ckpt.train.trainer import DPTrainer, StepResult
 
 __all__ = ["Progress"]
@@ -140,7 +140,7 @@ class Progress:
             self._mark = (done, now)
         if done % self._every and done != self._steps:
             return
-        from cocoon_ckpt.dp.accountant import Accountant
+        from cocoon_ckpt.dp.accounting.accountant import Accountant
 
         last_step, last_time = self._mark
         timed = done - last_step
@@ -175,7 +175,7 @@ class Progress:
         """Compose the epsilon of the whole run once, on a thread of its own: mid-run
         versions no longer store theirs, and the job's last version needs this one
         (the composition is cached, so that commit finds it done)."""
-        from cocoon_ckpt.dp.accountant import Accountant
+        from cocoon_ckpt.dp.accounting.accountant import Accountant
 
         acc = Accountant.from_state_dict(trainer.accountant.state_dict(with_epsilon=False))
         acc.steps = self._steps

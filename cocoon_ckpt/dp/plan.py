@@ -25,9 +25,9 @@ import math
 from collections.abc import Sequence
 
 from cocoon_ckpt.dp import _validate as valid
-from cocoon_ckpt.dp.accountant import AccountingMethod, noise_multiplier_for
+from cocoon_ckpt.dp.accounting.calibration import blt_noise_multiplier, noise_multiplier_for
+from cocoon_ckpt.dp.accounting.method import AccountingMethod
 from cocoon_ckpt.dp.blt.accounting import accounting_sensitivity
-from cocoon_ckpt.dp.calibration import blt_noise_multiplier
 from cocoon_ckpt.dp.mechanism import BandMF, MechanismKind
 from cocoon_ckpt.dp.plan_rows import Plan, PlanRow
 

@@ -10,7 +10,7 @@ import json
 import math
 from typing import TypedDict
 
-from cocoon_ckpt.dp.accounting_method import AccountingMethod
+from cocoon_ckpt.dp.accounting.method import AccountingMethod
 from cocoon_ckpt.dp.mechanism import MechanismKind
 
 __all__ = ["Plan", "PlanRecord", "PlanRow", "PlanRowRecord"]

@@ -87,7 +87,7 @@ def _epsilon(m: Manifest) -> dict[str, Any]:
     try:
         if m.step == 0:
             return {"epsilon": 0.0, "epsilon_stored": False}
-        from cocoon_ckpt.dp.accounting import epsilon_of_run  # dp-accounting: ~1 s
+        from cocoon_ckpt.dp.accounting.amplified import epsilon_of_run  # dp-accounting: ~1 s
 
         eps = epsilon_of_run(
             rec["config"]["dp"], rec.get("mechanism"), m.step, str(acc.get("method", "pld"))

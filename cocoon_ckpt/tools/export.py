@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from cocoon_ckpt._state_dict import plain_keys
-from cocoon_ckpt.dp.accountant import AccountingMethod
-from cocoon_ckpt.dp.accounting import epsilon_of_run
+from cocoon_ckpt.dp.accounting.amplified import epsilon_of_run
+from cocoon_ckpt.dp.accounting.method import AccountingMethod
 from cocoon_ckpt.errors import CocoonError, ConfigError
 from cocoon_ckpt.keys import load_key, manifest_mac_key, read_key_file, sealed_under, wrong_key
 from cocoon_ckpt.layout import KEY_SECRET, THREAT_MODEL_DEFAULT

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from cocoon_ckpt.dp.accountant import Accountant
+from cocoon_ckpt.dp.accounting.accountant import Accountant
 from cocoon_ckpt.records import NoiseRecord, RankShard
 from cocoon_ckpt.train.codec import Snapshot, encode
 from cocoon_ckpt.train.distributed import DistContext

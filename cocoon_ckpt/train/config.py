@@ -9,7 +9,7 @@ from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from cocoon_ckpt.dp import _validate as valid
-from cocoon_ckpt.dp.accounting_method import AccountingMethod
+from cocoon_ckpt.dp.accounting.method import AccountingMethod
 from cocoon_ckpt.dp.mechanism import MechanismKind
 from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.errors import ConfigError

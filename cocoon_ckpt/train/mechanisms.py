@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, TypeAlias
 
-from cocoon_ckpt.dp.accountant import Accountant
+from cocoon_ckpt.dp.accounting.accountant import Accountant
 from cocoon_ckpt.dp.bandmf_noise import BandMFNoise
 from cocoon_ckpt.dp.blt.accounting import accounting_sensitivity
 from cocoon_ckpt.dp.blt.noise import BLTNoise

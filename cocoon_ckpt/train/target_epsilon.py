@@ -2,13 +2,13 @@
 
 A config with `DPConfig.target_epsilon` names the privacy the whole job must meet. The
 noise multiplier that meets it is found once, when the job starts on a store without
-versions (`dp.calibration.noise_multiplier_for`, about 1 s), and the config record
+versions (`dp.accounting.noise_multiplier_for`, about 1 s), and the config record
 carries it beside the target. A resume takes it from the store's newest version and
 never recalibrates, so the noise cannot move with the accounting code.
 
 A BLT job (`mechanism='blt'`) is calibrated under its own accounting: one Gaussian at
 the min-sep sensitivity of the BLT fitted for its steps and bands (fitted once per
-process: the trainer built next reuses it), `dp.calibration.blt_noise_multiplier`.
+process: the trainer built next reuses it), `dp.accounting.blt_noise_multiplier`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from cocoon_ckpt.dp.accountant import epsilon, noise_multiplier_for
+from cocoon_ckpt.dp.accounting.amplified import epsilon
+from cocoon_ckpt.dp.accounting.calibration import blt_noise_multiplier, noise_multiplier_for
 from cocoon_ckpt.dp.blt.accounting import accounting_sensitivity, blt_epsilon
-from cocoon_ckpt.dp.calibration import blt_noise_multiplier
 from cocoon_ckpt.dp.mechanism import MechanismKind
 from cocoon_ckpt.errors import ConfigError, ConfigMismatchError
 from cocoon_ckpt.train.config import DPConfig, JobConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cocoon_ckpt._cli.main import main
-from cocoon_ckpt.dp.accountant import epsilon
+from cocoon_ckpt.dp.accounting.amplified import epsilon
 from cocoon_ckpt.dp.plan import Plan
 
 SETTING = ["--delta", "1e-5", "--dataset-size", "400", "--batch-size", "20", "--steps", "64"]

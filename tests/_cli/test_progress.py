@@ -8,7 +8,7 @@ from pathlib import Path
 
 from cocoon_ckpt import DPConfig, JobConfig, open_job
 from cocoon_ckpt._cli.progress import Progress
-from cocoon_ckpt.dp.accountant import Accountant
+from cocoon_ckpt.dp.accounting.accountant import Accountant
 from cocoon_ckpt.examples import mlp
 
 

@@ -19,7 +19,7 @@ from dp_accounting import pld
 from cocoon_ckpt._cli.exits import exit_code, message
 from cocoon_ckpt._cli.main import parser
 from cocoon_ckpt._cli.train_config import TARGET_FLAGS, add_target_flags, train_config
-from cocoon_ckpt.dp.accountant import noise_multiplier_for
+from cocoon_ckpt.dp.accounting.calibration import noise_multiplier_for
 from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.train import target_epsilon as te
 from cocoon_ckpt.train.config import DPConfig

@@ -130,7 +130,7 @@ def test_one_round_pld_is_dp_accountings(sigma: float, q: float, interval: float
     # (dense and sparse pmfs, q = 1 included).
     from dp_accounting.pld import privacy_loss_distribution as pld_dist
 
-    from cocoon_ckpt.dp import pld_gaussian
+    from cocoon_ckpt.dp.accounting import pld_gaussian
 
     assert pld_gaussian._agrees()
     fast = pld_gaussian._build(sigma, q, interval, fast=True)
@@ -155,7 +155,7 @@ def test_compiled_composition_equals_direct_composition(
 ) -> None:
     # The compiled epsilon loop and tail truncation (checked against dp-accounting's
     # Python loops once per process) give PLDAccountant's epsilon exactly, count by count.
-    from cocoon_ckpt.dp import _pld_kernels
+    from cocoon_ckpt.dp.accounting import _pld_kernels
 
     assert _pld_kernels.agree()
     q = batch * bands / n_data
@@ -170,7 +170,7 @@ def test_self_composition_is_dp_accountings_bit_for_bit() -> None:
     # power takes through binary exponentiation and the counts on either side.
     import numpy as np
 
-    from cocoon_ckpt.dp import _pld_kernels, pld_composition
+    from cocoon_ckpt.dp.accounting import _pld_kernels, pld_composition
 
     assert _pld_kernels.agree()
     one = pld_composition.one_round(1.0, 0.125, pld_composition.PLD_INTERVAL)
@@ -187,7 +187,7 @@ def test_self_composition_is_dp_accountings_bit_for_bit() -> None:
 def test_compiled_power_is_numpys() -> None:
     import numpy as np
 
-    from cocoon_ckpt.dp import _pld_kernels
+    from cocoon_ckpt.dp.accounting import _pld_kernels
 
     rng = np.random.default_rng(7)
     z = rng.standard_normal(5000) + 1j * rng.standard_normal(5000)

@@ -12,7 +12,8 @@ import math
 
 import pytest
 
-from cocoon_ckpt.dp.accountant import epsilon, noise_multiplier_for
+from cocoon_ckpt.dp.accounting.amplified import epsilon
+from cocoon_ckpt.dp.accounting.calibration import noise_multiplier_for
 from cocoon_ckpt.dp.mechanism import BandMF, MechanismKind
 from cocoon_ckpt.dp.plan import Plan, candidate_bands, plan
 from cocoon_ckpt.errors import ConfigError

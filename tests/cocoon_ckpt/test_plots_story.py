@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from cocoon_ckpt import open_job
-from cocoon_ckpt.dp.accountant import epsilon
+from cocoon_ckpt.dp.accounting.amplified import epsilon
 from cocoon_ckpt.examples import mlp as mlp_job
 from cocoon_ckpt.tools.plots import epsilon_curve, write_plots
 from state import Store

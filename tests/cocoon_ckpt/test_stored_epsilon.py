@@ -12,8 +12,8 @@ import pytest
 from cocoon_ckpt import run_job
 from cocoon_ckpt._cli.catalog import _inspect_lines
 from cocoon_ckpt._cli.main import main
-from cocoon_ckpt.dp.accountant import Accountant
-from cocoon_ckpt.dp.accounting import epsilon_of_run
+from cocoon_ckpt.dp.accounting.accountant import Accountant
+from cocoon_ckpt.dp.accounting.amplified import epsilon_of_run
 from cocoon_ckpt.tools.audit import audit_store
 from cocoon_ckpt.tools.catalog import inspect_store
 from cocoon_ckpt.tools.export import export_model

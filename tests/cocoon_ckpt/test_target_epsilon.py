@@ -14,7 +14,9 @@ import pytest
 from dp_accounting import pld, rdp
 
 from cocoon_ckpt import DPConfig, JobConfig, run_job
-from cocoon_ckpt.dp.accountant import Accountant, epsilon, epsilon_of_event, noise_multiplier_for
+from cocoon_ckpt.dp.accounting.accountant import Accountant
+from cocoon_ckpt.dp.accounting.amplified import epsilon, epsilon_of_event
+from cocoon_ckpt.dp.accounting.calibration import noise_multiplier_for
 from cocoon_ckpt.errors import ConfigError, ConfigMismatchError
 from cocoon_ckpt.tools.guarantee import describe
 from cocoon_ckpt.train import target_epsilon as te

@@ -11,7 +11,7 @@ import json
 import math
 from typing import Any
 
-from cocoon_ckpt.dp.accounting import epsilon_of_run
+from cocoon_ckpt.dp.accounting.amplified import epsilon_of_run
 from cocoon_ckpt.tools.audit.report import AuditReport
 from cocoon_ckpt.tools.bounds import VersionBounds
 from cocoon_ckpt.train import config as cfgmod

@@ -7,9 +7,9 @@ loop over 10^5 grid points) is built once per (sigma, q), and the count-independ
 parts of its k-fold self-composition (the Chernoff tail bounds' log-MGFs, which were
 half of each composition, and the FFT of the one-round pmf) are cached beside it; each
 new round count then costs one FFT power, the accountant's own compose and epsilon.
-The one-round PLD itself is built by `cocoon_ckpt.dp.pld_gaussian` (the same PLD, ~6x
+The one-round PLD itself is built by `dp.accounting.pld_gaussian` (the same PLD, ~6x
 faster), and the composed PLD's epsilon, with the accountant's compose onto its identity
-PLD, by the compiled replicas of `cocoon_ckpt.dp._pld_kernels`. A new round count at the
+PLD, by the compiled replicas of `dp.accounting._pld_kernels`. A new round count at the
 mlp example's settings costs about 40 ms (0.12-0.19 s before, 0.5-1.4 s from scratch).
 """
 
@@ -24,8 +24,8 @@ from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_dist
 from scipy import fft, signal, special
 
-from cocoon_ckpt.dp._pld_kernels import epsilon_for_delta, int_power, prefix_to_truncate
-from cocoon_ckpt.dp.pld_gaussian import subsampled_gaussian
+from cocoon_ckpt.dp.accounting._pld_kernels import epsilon_for_delta, int_power, prefix_to_truncate
+from cocoon_ckpt.dp.accounting.pld_gaussian import subsampled_gaussian
 
 __all__ = ["PLD_INTERVAL", "TAIL_MASS", "OneRound", "SelfComposer", "one_round", "pld_epsilon"]
 

@@ -1,10 +1,4 @@
-"""The privacy accountant of a run: the steps taken, the epsilon spent, its record.
-
-Also the accounting's import point: `epsilon`, `epsilon_of_event` (a stored event at any
-delta), `dp_event` and `AccountingMethod` live in `cocoon_ckpt.dp.accounting`,
-`noise_multiplier_for` in `cocoon_ckpt.dp.calibration`, the cached PLD composition in
-`cocoon_ckpt.dp.pld_composition`; all are importable from here.
-"""
+"""The privacy accountant of a run: the steps taken, the epsilon spent, its record."""
 
 from __future__ import annotations
 
@@ -12,26 +6,11 @@ import math
 from typing import Any
 
 from cocoon_ckpt._state_dict import check_state
-from cocoon_ckpt.dp.accounting import (
-    AccountingMethod,
-    clear_caches,
-    dp_event,
-    epsilon,
-    epsilon_of_event,
-    validate_arguments,
-)
+from cocoon_ckpt.dp.accounting.amplified import epsilon, validate_arguments
+from cocoon_ckpt.dp.accounting.method import AccountingMethod
 from cocoon_ckpt.dp.blt.accounting import blt_dp_event, blt_epsilon
-from cocoon_ckpt.dp.calibration import noise_multiplier_for
 
-__all__ = [
-    "Accountant",
-    "AccountingMethod",
-    "clear_caches",
-    "dp_event",
-    "epsilon",
-    "epsilon_of_event",
-    "noise_multiplier_for",
-]
+__all__ = ["Accountant"]
 
 
 class Accountant:

@@ -13,9 +13,10 @@ from collections.abc import Callable
 from scipy import optimize
 
 from cocoon_ckpt.dp._validate import SIGMA_MAX, SIGMA_MIN
-from cocoon_ckpt.dp.accounting import AccountingMethod, epsilon, validate_arguments
+from cocoon_ckpt.dp.accounting.amplified import epsilon, validate_arguments
+from cocoon_ckpt.dp.accounting.method import AccountingMethod
+from cocoon_ckpt.dp.accounting.pld_composition import OneRound
 from cocoon_ckpt.dp.blt.accounting import blt_epsilon, blt_noise_multiplier_for
-from cocoon_ckpt.dp.pld_composition import OneRound
 from cocoon_ckpt.errors import PrivacyBudgetError
 
 __all__ = ["SIGMA_MAX", "SIGMA_MIN", "blt_noise_multiplier", "noise_multiplier_for"]
@@ -74,7 +75,7 @@ def noise_multiplier_for(
     accounting (`epsilon`) and raised by 0.1% steps until it meets the target, so
     `epsilon(noise_multiplier_for(e, ...), ...) <= e` always holds. About 1 s on
     bench/accounting.py's targets (each trial's one-round PLD built grid-at-once, its
-    epsilon loop compiled: `cocoon_ckpt.dp.pld_composition`), where dp-accounting's
+    epsilon loop compiled: `dp.accounting.pld_composition`), where dp-accounting's
     calibration on the fine grid took 10-30 s.
 
     Raises:

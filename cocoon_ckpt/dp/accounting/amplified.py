@@ -4,7 +4,7 @@ Under cyclic Poisson sampling over b partitions, b-banded MF with sensitivity-1 
 accounted as a Poisson-subsampled Gaussian with q = B b / N, composed ceil(n / b)
 times (Choquette-Choo et al., "Amplified Banded Matrix Factorization", 2023).
 b = 1 is exactly DP-SGD's accounting. PLD epsilons come from the cached composition of
-`cocoon_ckpt.dp.pld_composition`, and every epsilon is kept per process, keyed by the
+`dp.accounting.pld_composition`, and every epsilon is kept per process, keyed by the
 round count.
 """
 
@@ -18,8 +18,8 @@ from typing import Any
 import dp_accounting
 from dp_accounting import pld, rdp
 
-from cocoon_ckpt.dp.accounting_method import AccountingMethod
-from cocoon_ckpt.dp.pld_composition import PLD_INTERVAL, one_round, pld_epsilon
+from cocoon_ckpt.dp.accounting.method import AccountingMethod
+from cocoon_ckpt.dp.accounting.pld_composition import PLD_INTERVAL, one_round, pld_epsilon
 
 __all__ = [
     "AccountingMethod",
