@@ -18,12 +18,17 @@ c0, the ring write) is reported as the time the limit needs to read the ring onc
 divided by the step's time.
 
 Fresh noise: `KeyedNoise.fresh` over the whole dim (float32, or `--dtype`), with the
-default generator (numpy SFC64 per block, `cocoon_ckpt.dp.default_noise`) on torch's
+default generator (the v2 scheme, `cocoon_ckpt.dp.default_noise`, compiled:
+`_ziggurat_kernel`) on torch's threads and on one, the same scheme drawn by numpy's own
+generator (the path before the compiled one: the same bits, checked here) on torch's
 threads and on one, the retired v1 default (torch mt19937 seeded per block with 63 bits
 of which torch kept 32, rebuilt here for the comparison) and the secure one (ChaCha20 +
-exact Box-Muller, `cocoon_ckpt.dp.secure_noise`), and torch.randn on the same dim; the
-secure row also splits its time into the keystream and the transform. `--fresh-only`
-skips the GEMV table.
+exact Box-Muller, `cocoon_ckpt.dp.secure_noise`), and torch.randn on the same dim. Each
+row prints its ratio to numpy's path (÷numpy: the compiled generator's speed-up). The
+default's time per 65,536-value block is split into the keyed BLAKE2b seed, the
+SeedSequence that turns it into SFC64's state, and the Gaussians (numpy's and the
+compiled ones, one thread); the secure row's into the keystream and the transform.
+`--fresh-only` skips the GEMV table.
 
 Each figure is the best of `--rounds` rounds, ours and the baselines alternating within
 each round, so a drift in the machine's speed hits both.
@@ -41,7 +46,13 @@ import numpy as np
 import torch
 
 from cocoon_ckpt import BandMF, BandMFNoise, KeyedNoise
-from cocoon_ckpt.dp.default_noise import keyed_gaussians
+from cocoon_ckpt.dp._ziggurat_kernel import gaussians_into
+from cocoon_ckpt.dp.default_noise import (
+    block_entropy,
+    block_generator,
+    block_seed_words,
+    keyed_gaussians,
+)
 from cocoon_ckpt.dp.gemv import mix_history, mix_history_reference
 from cocoon_ckpt.dp.noise import BLOCK
 from cocoon_ckpt.dp.secure_noise import block_key, box_muller, keystream_words
@@ -141,41 +152,73 @@ def v1_fresh(key: bytes, t: int, m: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def fresh_noise(m: int, rounds: int, dtype: str = "float32") -> None:
-    """Fresh noise throughput, default vs v1 vs secure generator vs torch.randn."""
+    """Fresh noise throughput: the default compiled and by numpy, v1, secure, randn."""
     key = bytes(32)
     tdtype = getattr(torch, dtype)
+    threads = torch.get_num_threads()
     kn = KeyedNoise(key, m, 1.0, dtype)
     ks = KeyedNoise(key, m, 1.0, dtype, rng="secure")
     one = np.empty(m, dtype=dtype)
+    ref = np.empty(m, dtype=dtype)
     chunk = 16  # blocks per pass, as KeyedNoise draws them
     words = np.empty(chunk * BLOCK, dtype=np.uint64)
     bkeys = [block_key(key, 7, k) for k in range(chunk)]
     blocks = -(-m // BLOCK)
+    entropies = [block_entropy(key, 7, k) for k in range(chunk)]
+    seeds = np.array([block_seed_words(e) for e in entropies])
+    block_out = np.empty(BLOCK, dtype=dtype)
 
     def keystream() -> None:
         for k, bkey in enumerate(bkeys):
             keystream_words(bkey, BLOCK, words[k * BLOCK : (k + 1) * BLOCK])
 
+    def numpy_gaussians() -> None:
+        for e in entropies:
+            block_generator(e).standard_normal(dtype=block_out.dtype, out=block_out)
+
+    def compiled_gaussians() -> None:
+        for k in range(chunk):
+            gaussians_into(seeds[k : k + 1], block_out, 0, 1.0, BLOCK, 1)
+
     t = best_interleaved(
         {
             "default": lambda: kn.fresh(7),
-            "default-1": lambda: keyed_gaussians(key, 7, 0, m, one, 1.0, threads=1),
+            "default-1": lambda: keyed_gaussians(key, 7, 0, m, one, 1.0, 1, compiled=True),
+            "numpy": lambda: keyed_gaussians(key, 7, 0, m, ref, 1.0, threads, compiled=False),
+            "numpy-1": lambda: keyed_gaussians(key, 7, 0, m, ref, 1.0, 1, compiled=False),
             "v1": lambda: v1_fresh(key, 7, m, tdtype),
             "secure": lambda: ks.fresh(7),
             "randn": lambda: torch.randn(m, dtype=tdtype),
+            # the default's parts over 16 blocks, then per block
+            "key": lambda: [block_entropy(key, 7, k) for k in range(chunk)],
+            "seed": lambda: [block_seed_words(e) for e in entropies],
+            "numpy-gauss": numpy_gaussians,
+            "compiled-gauss": compiled_gaussians,
             # the secure generator's two parts over 16 blocks, scaled to the dim
             "keystream": keystream,
             "transform": lambda: box_muller(words),
         },
         rounds,
     )
-    print(f"fresh noise, dim {m}, {dtype}, torch threads {torch.get_num_threads()}:")
-    for name in ("default", "default-1", "v1", "secure", "randn"):
+    same = np.array_equal(kn.fresh(7).numpy(), ref) and np.array_equal(one, ref)
+    print(
+        f"fresh noise, dim {m}, {dtype}, torch threads {threads}, numba threads "
+        f"{numba.get_num_threads()}; compiled == numpy bit for bit: {same}"
+    )
+    for name in ("default", "default-1", "numpy", "numpy-1", "v1", "secure", "randn"):
         print(
             f"  {name:>9} {m / t[name] / 1e6:>7.1f} M samples/s  "
-            f"{t[name] * 1e3:>8.1f} ms  ÷default {t[name] / t['default']:>5.2f}  "
-            f"÷v1 {t[name] / t['v1']:>5.2f}  ÷secure {t[name] / t['secure']:>5.2f}"
+            f"{t[name] * 1e3:>8.1f} ms  ÷numpy {t[name] / t['numpy']:>5.2f}  "
+            f"÷randn {t[name] / t['randn']:>5.2f}  ÷v1 {t[name] / t['v1']:>5.2f}  "
+            f"÷secure {t[name] / t['secure']:>5.2f}"
         )
+    us = {k: t[k] / chunk * 1e6 for k in ("key", "seed", "numpy-gauss", "compiled-gauss")}
+    print(
+        f"  default, per {BLOCK}-value block, one thread: keyed BLAKE2b seed {us['key']:.1f} us, "
+        f"SeedSequence -> SFC64 state {us['seed']:.1f} us, Gaussians numpy "
+        f"{us['numpy-gauss']:.0f} us / compiled {us['compiled-gauss']:.0f} us "
+        f"(÷numpy {us['compiled-gauss'] / us['numpy-gauss']:.2f})"
+    )
     part = {k: t[k] * blocks / chunk for k in ("keystream", "transform")}
     n = chunk * BLOCK
     print(
