@@ -174,7 +174,7 @@ def run(args: argparse.Namespace, root: str) -> None:
     fresh = build_trainer(cfg, bytes(32))
     records: dict[str, object] = dict(job_records(cfg, fresh, bytes(32), None))
     if "metrics" in REQUIRED and "metrics" not in records:  # a release that stores metrics
-        from cocoon_ckpt.train.metrics import TrainingMetrics
+        from cocoon_ckpt.format.metrics import TrainingMetrics
 
         records["metrics"] = TrainingMetrics().to_record(0)
     for _ in range(2 * args.bands):

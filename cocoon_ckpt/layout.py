@@ -74,7 +74,7 @@ def ring_name(shard: int, step: int) -> str:
 
 def ring_rows_name(shard: int, first: int, last: int) -> str:
     """The (k, width) array of ring shard `shard`'s slots new in a version: w of steps
-    `first`..`last`, one row each (`cocoon_ckpt.train.ring_rows`)."""
+    `first`..`last`, one row each (`cocoon_ckpt.format.ring_rows`)."""
     return f"ring/shard-{shard:04d}/w-{first:08d}-{last:08d}"
 
 

@@ -1,7 +1,7 @@
 """The typed schema of a version's manifest records: one TypedDict per record name.
 
 A version's manifest holds small JSON records beside its arrays (docs/store-format.md).
-The snapshot codec (`cocoon_ckpt.train.codec`) writes them and every reader (resume,
+The snapshot codec (`cocoon_ckpt.format.codec`) writes them and every reader (resume,
 audit, inspect, export, plots) reads them through these types, so the keys have one
 definition. `VersionRecords` lists every record by its name in the manifest; a record
 marked `NotRequired` is absent from stores written before it existed, so readers use
@@ -54,7 +54,7 @@ __all__ = [
 #: One stored ring slot: `[slot, step, array, row, checksum]` (slot index in the ring,
 #: the step t whose w_t it holds, the (rows, width) array and its row holding it, and
 #: the row's `crc32c:`), or in stores written before rows `[slot, step, array]` (the
-#: array is the slot, width-long). `cocoon_ckpt.train.ring_rows` reads both.
+#: array is the slot, width-long). `cocoon_ckpt.format.ring_rows` reads both.
 RingSlot: TypeAlias = list[Any]
 
 #: `model_shapes`: each model state_dict entry's shape.
@@ -300,7 +300,7 @@ class IdentityRecord(TypedDict):
 
 
 class PartStateRecord(TypedDict):
-    """A part's state dict with its tensors moved to arrays (`train.part_state` grammar)."""
+    """A part's state dict with its tensors moved to arrays (`format.part_state` grammar)."""
 
     kind: str
     """The part's qualified class name (a resume refuses another)."""
@@ -343,7 +343,7 @@ class MetricSeries(TypedDict):
 
 class MetricsRecord(TypedDict):
     """`metrics`: every point logged for the steps before the version's (the whole
-    curve so far, so retention never cuts its start; `train.metrics`)."""
+    curve so far, so retention never cuts its start; `format.metrics`)."""
 
     schema_version: int
     stop: int

@@ -43,7 +43,7 @@ __all__ = [
 
 #: The deepest nesting of arrays and objects a record may have, written or read. A
 #: manifest's own structure is 4 deep; a part's state record (`{"dict": [[k, v]]}`)
-#: takes 3 levels per level of the part's state, which `train.part_state` bounds to 32.
+#: takes 3 levels per level of the part's state, which `format.part_state` bounds to 32.
 MAX_DEPTH = 128
 #: The longest number token a record read from a store may hold, in characters: a
 #: float's repr is at most 24, a 256-bit integer 78.

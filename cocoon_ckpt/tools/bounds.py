@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from cocoon_ckpt.format.ring_rows import slot_refs
 from cocoon_ckpt.layout import MODEL_PREFIX
 from cocoon_ckpt.train.config import JobConfig
-from cocoon_ckpt.train.ring_rows import slot_refs
 from state import Manifest
 
 __all__ = ["VersionBounds", "check_bounds"]

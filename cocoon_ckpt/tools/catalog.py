@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from cocoon_ckpt.format.metrics import METRICS_RECORD, MetricsError, read_metrics
 from cocoon_ckpt.layout import KEY_SECRET, THREAT_MODEL_DEFAULT, THREAT_MODELS, array_kind
 from cocoon_ckpt.records import EmbeddingRecord
 from cocoon_ckpt.tools.guarantee import describe
-from cocoon_ckpt.train.metrics import METRICS_RECORD, MetricsError, read_metrics
 from state import CorruptVersionError, Manifest, Store
 from state.paths import version_prefix
 from state.retention import OnDamage, verified_manifests

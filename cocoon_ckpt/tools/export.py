@@ -22,16 +22,22 @@ from cocoon_ckpt._state_dict import plain_keys
 from cocoon_ckpt.dp.accounting.amplified import epsilon_of_run
 from cocoon_ckpt.dp.accounting.method import AccountingMethod
 from cocoon_ckpt.errors import CocoonError, ConfigError
+from cocoon_ckpt.format.stored import model_state, newest_records
 from cocoon_ckpt.keys import load_key, manifest_mac_key, read_key_file, sealed_under, wrong_key
 from cocoon_ckpt.layout import KEY_SECRET, THREAT_MODEL_DEFAULT
 from cocoon_ckpt.tools.guarantee import describe
 from cocoon_ckpt.train import config as cfgmod
 from cocoon_ckpt.train.config import JobConfig
-from cocoon_ckpt.train.stored import model_state, read_config
 from state import CorruptVersionError, Store, StoreError, UnauthenticatedVersionError, Version
 from state.paths import manifest_path
 
 __all__ = ["REPORT_SUFFIX", "ExportPathError", "export_model", "read_config"]
+
+
+def read_config(store_url: str, storage_options: dict[str, Any] | None = None) -> JobConfig:
+    """The JobConfig recorded in a store's newest version."""
+    return JobConfig.from_record(newest_records(store_url, storage_options)["config"])
+
 
 #: The privacy report lies beside the model: `<out>` + this.
 REPORT_SUFFIX = ".privacy.json"

@@ -1,7 +1,7 @@
 """PNG plots of a store (matplotlib, headless): what `audit --plot DIR` writes.
 
 They tell a job's story: what it spent (epsilon after each step) against what it
-learned (the loss and the loop's metrics, `train.metrics`), how loud the noise is
+learned (the loss and the loop's metrics, `format.metrics`), how loud the noise is
 against the largest clipped-gradient signal, where the noise history lay, and what each
 checkpoint wrote. Every axis of a quantity starts at zero.
 """
@@ -19,11 +19,11 @@ import numpy as np
 from cocoon_ckpt.dp.blt.strategy import BLT
 from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.errors import MissingExtraError
+from cocoon_ckpt.format.metrics import METRICS_RECORD, MetricsError, Series, read_metrics
+from cocoon_ckpt.format.ring_rows import slot_refs, slot_values
 from cocoon_ckpt.layout import array_kind
 from cocoon_ckpt.tools.audit.records import config_epsilon
 from cocoon_ckpt.tools.catalog import placement
-from cocoon_ckpt.train.metrics import METRICS_RECORD, MetricsError, Series, read_metrics
-from cocoon_ckpt.train.ring_rows import slot_refs, slot_values
 from state import CorruptVersionError, Manifest, Store, Version
 from state.paths import version_prefix
 

@@ -18,6 +18,7 @@ from cocoon_ckpt.dp.sampler import CyclicPoissonSampler
 from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.embedding.engine import TablePlan
 from cocoon_ckpt.errors import ConfigError
+from cocoon_ckpt.format.part_state import encode_part_state
 from cocoon_ckpt.layout import THREAT_MODEL_DEFAULT
 from cocoon_ckpt.records import ModelShapes
 from cocoon_ckpt.train.config import JobConfig
@@ -26,7 +27,6 @@ from cocoon_ckpt.train.identity import check_config_optimizer
 from cocoon_ckpt.train.job_data import JobData
 from cocoon_ckpt.train.mechanisms import Mechanism, build_mechanism, mechanism_from_state
 from cocoon_ckpt.train.model_checks import check_model
-from cocoon_ckpt.train.part_state import encode_part_state
 from cocoon_ckpt.train.parts import JobParts, check_optimizer_step, resolve
 from cocoon_ckpt.train.trainer import DPTrainer, check_scheduler
 

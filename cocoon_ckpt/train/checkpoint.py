@@ -1,7 +1,7 @@
 """Writing versions: a snapshot of the trainer's state, written and committed.
 
 A snapshot copies the trainer's `state_dict()` into host memory through the codec
-(`cocoon_ckpt.train.codec`: only the ring slots new since the parent version are
+(`cocoon_ckpt.format.codec`: only the ring slots new since the parent version are
 copied); a background thread writes it and commits. At most one
 checkpoint is in flight, so memory stays bounded by one snapshot.
 
@@ -23,8 +23,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from cocoon_ckpt.dp.accounting.accountant import Accountant
+from cocoon_ckpt.format.codec import Snapshot, encode
 from cocoon_ckpt.records import NoiseRecord, RankShard
-from cocoon_ckpt.train.codec import Snapshot, encode
 from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.job_records import check_job_records
 from cocoon_ckpt.train.trainer import DPTrainer

@@ -1,6 +1,6 @@
 """Job configuration: `DPConfig` (the privacy-relevant part) and `JobConfig` (the whole
 job), read from and written to config records. The fingerprint and the resume check
-live in `train.fingerprint` and are importable from here."""
+live in `format.fingerprint` and are importable from here."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from cocoon_ckpt.dp.accounting.method import AccountingMethod
 from cocoon_ckpt.dp.mechanism import MechanismKind
 from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.errors import ConfigError
-from cocoon_ckpt.tiers.config import TierConfig
-from cocoon_ckpt.train.fingerprint import (
+from cocoon_ckpt.format.fingerprint import (
     HARMLESS_FIELDS,
     HARMLESS_SECTIONS,
     check_resume,
     config_differences,
     fingerprint,
 )
+from cocoon_ckpt.tiers.config import TierConfig
 
 if TYPE_CHECKING:
     from cocoon_ckpt.dp.generator import NoiseRng

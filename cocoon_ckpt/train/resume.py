@@ -18,18 +18,18 @@ from cocoon_ckpt.dp.blt.strategy import BLT
 from cocoon_ckpt.dp.generator import check_generator_backend
 from cocoon_ckpt.dp.mechanism import MechanismKind
 from cocoon_ckpt.errors import CocoonError, ConfigMismatchError, NoiseKeyError
+from cocoon_ckpt.format.codec import decode
+from cocoon_ckpt.format.stored import records_of, stored_table_plans
 from cocoon_ckpt.keys import key_id
 from cocoon_ckpt.train import config as cfgmod
 from cocoon_ckpt.train.allowances import ResumeAllowances
 from cocoon_ckpt.train.build import build_trainer, model_shapes
-from cocoon_ckpt.train.codec import decode
 from cocoon_ckpt.train.config import JobConfig
 from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.grad_threads import resumed_grad_threads
 from cocoon_ckpt.train.identity import identity_differences
 from cocoon_ckpt.train.mechanisms import blt_sensitivity
 from cocoon_ckpt.train.parts import JobParts
-from cocoon_ckpt.train.stored import records_of, stored_table_plans
 from cocoon_ckpt.train.trainer import DPTrainer
 from state import CorruptVersionError, Store, Version
 from state.manifest import manifest_path

@@ -2,7 +2,7 @@
 
 Running the same job against a store that has versions resumes from the newest valid
 one, and the result is bit-identical to an uninterrupted run (I3). Every version stores
-the loss of each step so far (`train.metrics`), as the session does for any loop.
+the loss of each step so far (`format.metrics`), as the session does for any loop.
 
 A refused or failed start changes nothing: the config, the job's parts, the newest
 version, the key and every resume check are settled before the first write (creating
@@ -22,7 +22,6 @@ from cocoon_ckpt.train.build import build_trainer, model_shapes, threat_model
 from cocoon_ckpt.train.config import JobConfig
 from cocoon_ckpt.train.parts import JobParts
 from cocoon_ckpt.train.session import open_job
-from cocoon_ckpt.train.stored import read_config
 from cocoon_ckpt.train.trainer import DPTrainer, StepResult
 
 __all__ = [
@@ -32,7 +31,6 @@ __all__ = [
     "build_trainer",
     "key_id",
     "model_shapes",
-    "read_config",
     "run_job",
     "threat_model",
 ]

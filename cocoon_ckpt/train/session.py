@@ -13,7 +13,7 @@ version of the step reached, so a loop that stops early loses nothing. Every ver
 carries the job records (`train.job_records`), so `inspect`, `audit`, `diff`, `gc` and
 `export_model` read it as they read `run_job`'s. `run_job` is this loop with no body.
 Every version also stores the loss of each step and what the loop `log`s
-(`train.metrics`), which `inspect` and the plots show.
+(`format.metrics`), which `inspect` and the plots show.
 
 What runs between steps is part of the job: a resume continues after the newest
 version's step, so the loop's code must be the same function of the step for the result
@@ -32,6 +32,7 @@ from torch import nn
 
 from cocoon_ckpt.dp import _validate as valid
 from cocoon_ckpt.errors import DataWorkerError
+from cocoon_ckpt.format.metrics import MetricsError, TrainingMetrics, step_scalars
 from cocoon_ckpt.records import JobRecords
 from cocoon_ckpt.train.allowances import ResumeAllowances
 from cocoon_ckpt.train.checkpoint import Checkpointer, writer_handoff
@@ -39,7 +40,6 @@ from cocoon_ckpt.train.config import JobConfig
 from cocoon_ckpt.train.data import Batch
 from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.job_records import job_records
-from cocoon_ckpt.train.metrics import MetricsError, TrainingMetrics, step_scalars
 from cocoon_ckpt.train.parts import JobParts
 from cocoon_ckpt.train.preempt import Preemption, preempted_error
 from cocoon_ckpt.train.rank_agreement import agree_on_request

@@ -23,8 +23,8 @@ from cocoon_ckpt.dp.accounting.calibration import blt_noise_multiplier, noise_mu
 from cocoon_ckpt.dp.blt.accounting import accounting_sensitivity, blt_epsilon
 from cocoon_ckpt.dp.mechanism import MechanismKind
 from cocoon_ckpt.errors import ConfigError, ConfigMismatchError
+from cocoon_ckpt.format.fingerprint import check_resume
 from cocoon_ckpt.train.config import DPConfig, JobConfig
-from cocoon_ckpt.train.fingerprint import check_resume
 from cocoon_ckpt.train.resume import malformed_version
 from state import Store, StoreNotFoundError
 

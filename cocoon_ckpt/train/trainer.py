@@ -20,6 +20,18 @@ from cocoon_ckpt.embedding.engine import TablePlan
 from cocoon_ckpt.embedding.one_thread import fixed_threads
 from cocoon_ckpt.embedding.tables import EmbeddingNoise
 from cocoon_ckpt.errors import ConfigError, NonFiniteGradientError
+from cocoon_ckpt.format.trainer_state import (
+    TRAINER_SCHEMA,
+    TrainerState,
+    check_trainer_state,
+    load_parts,
+    load_rng_state,
+    load_table_arrays,
+    noise_layout,
+    part_states,
+    rng_state,
+    table_arrays,
+)
 from cocoon_ckpt.tiers.config import TierConfig
 from cocoon_ckpt.train.config import DPConfig
 from cocoon_ckpt.train.data import Batch
@@ -41,18 +53,6 @@ from cocoon_ckpt.train.model_checks import check_noise_rng, dense_param_names, t
 from cocoon_ckpt.train.noisy_grads import NoisyGradients
 from cocoon_ckpt.train.step_result import StepResult
 from cocoon_ckpt.train.table_noise import table_noise
-from cocoon_ckpt.train.trainer_state import (
-    TRAINER_SCHEMA,
-    TrainerState,
-    check_trainer_state,
-    load_parts,
-    load_rng_state,
-    load_table_arrays,
-    noise_layout,
-    part_states,
-    rng_state,
-    table_arrays,
-)
 from cocoon_ckpt.train.workers import DEFAULT_WORKER_TIMEOUT_S
 from state import hooks
 
@@ -419,7 +419,7 @@ class DPTrainer:
     # state -----------------------------------------------------------------------
     def state_dict(self) -> TrainerState:
         """Everything a version holds, by reference to live tensors (copy before
-        writing): `cocoon_ckpt.train.codec` encodes exactly this.
+        writing): `cocoon_ckpt.format.codec` encodes exactly this.
 
         Raises:
             RuntimeError: a step raised halfway (a non-finite gradient, a failed

@@ -16,8 +16,8 @@ import pytest
 import cocoon_ckpt
 from cocoon_ckpt._cli.main import main
 from cocoon_ckpt.tools.audit import audit_store
+from cocoon_ckpt.tools.export import read_config
 from cocoon_ckpt.train.parts import resolve
-from cocoon_ckpt.train.stored import read_config
 
 SMALL = (
     *("--steps", "4", "--bands", "2", "--checkpoint-every", "2", "--no-progress"),

@@ -11,9 +11,9 @@ import torch
 
 from cocoon_ckpt import JobConfig, run_job
 from cocoon_ckpt.examples import mlp
+from cocoon_ckpt.format.stored import model_state
 from cocoon_ckpt.train.build import build_trainer
 from cocoon_ckpt.train.parts import JobParts
-from cocoon_ckpt.train.stored import model_state
 from state import Store
 
 from .conftest import job_config

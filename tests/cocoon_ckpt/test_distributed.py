@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 from cocoon_ckpt._cli.main import main
 from cocoon_ckpt.dp.noise import BLOCK
+from cocoon_ckpt.format.ring_rows import slot_refs, slot_values
+from cocoon_ckpt.format.stored import model_state
 from cocoon_ckpt.train.distributed import shard_bounds
-from cocoon_ckpt.train.ring_rows import slot_refs, slot_values
-from cocoon_ckpt.train.stored import model_state
 from state import Store, Version
 
 pytestmark = pytest.mark.slow

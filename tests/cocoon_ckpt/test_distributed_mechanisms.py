@@ -26,11 +26,11 @@ from cocoon_ckpt.dp.mechanism import BandMF, MechanismKind
 from cocoon_ckpt.dp.ring import HostRing
 from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.errors import ConfigError
+from cocoon_ckpt.format.metrics import read_metrics
 from cocoon_ckpt.train import build
 from cocoon_ckpt.train.build import rank0_mechanism
 from cocoon_ckpt.train.distributed import DistContext, shard_bounds
 from cocoon_ckpt.train.mechanisms import build_mechanism, build_noise, mechanism_from_state
-from cocoon_ckpt.train.metrics import read_metrics
 from cocoon_ckpt.train.start import parts_on_ranks
 from state import Store, Version
 from tests.cocoon_ckpt.conftest import job_config

@@ -20,13 +20,13 @@ import torch
 from cocoon_ckpt._cli.main import main
 from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.errors import ConfigError, ConfigMismatchError
+from cocoon_ckpt.format.stored import model_state
 from cocoon_ckpt.train.allowances import ResumeAllowances
 from cocoon_ckpt.train.build import job_parts
 from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.rank_failure import packed, unpacked
 from cocoon_ckpt.train.runner import run_job
 from cocoon_ckpt.train.start import start_ranks
-from cocoon_ckpt.train.stored import model_state
 from cocoon_ckpt.train.trainer import DPTrainer
 from state import CorruptVersionError, Store
 from tests.cocoon_ckpt.conftest import job_config

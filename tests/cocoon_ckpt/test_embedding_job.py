@@ -15,8 +15,8 @@ import torch
 from cocoon_ckpt import DPConfig, DPTrainer, JobConfig, export_model, run_job
 from cocoon_ckpt.embedding import EmbeddingConfig, TableMode
 from cocoon_ckpt.errors import ConfigMismatchError
+from cocoon_ckpt.format.stored import model_state
 from cocoon_ckpt.train.runner import build_trainer
-from cocoon_ckpt.train.stored import model_state
 from state import Store, StoreError
 
 KEY = bytes(range(32))

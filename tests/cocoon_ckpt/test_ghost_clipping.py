@@ -23,13 +23,13 @@ from torch import nn
 from cocoon_ckpt import ConfigMismatchError, run_job
 from cocoon_ckpt.embedding.config import TableSpec
 from cocoon_ckpt.errors import ConfigError, UnsupportedModelError
+from cocoon_ckpt.format.fingerprint import fingerprint
+from cocoon_ckpt.format.stored import model_state
 from cocoon_ckpt.train import ghost
 from cocoon_ckpt.train.config import JobConfig
-from cocoon_ckpt.train.fingerprint import fingerprint
 from cocoon_ckpt.train.ghost import GhostGrads
 from cocoon_ckpt.train.grads import PerSampleGrads
 from cocoon_ckpt.train.parts import JobParts
-from cocoon_ckpt.train.stored import model_state
 from state import Store
 
 from . import real_job

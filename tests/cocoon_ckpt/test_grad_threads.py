@@ -18,12 +18,12 @@ import torch
 
 from cocoon_ckpt import ConfigMismatchError, DPConfig, DPTrainer, JobConfig, run_job
 from cocoon_ckpt.embedding.one_thread import fixed_threads
+from cocoon_ckpt.format.stored import model_state, records_of
 from cocoon_ckpt.train import job_records as job_records_mod
 from cocoon_ckpt.train import session, start
 from cocoon_ckpt.train.allowances import ResumeAllowances
 from cocoon_ckpt.train.job_records import REQUIRED, job_records
 from cocoon_ckpt.train.runner import build_trainer
-from cocoon_ckpt.train.stored import model_state, records_of
 from state import Store
 
 KEY = bytes(32)

@@ -1,4 +1,4 @@
-"""Metrics stored with the versions (`train.metrics`): every step's loss equals the
+"""Metrics stored with the versions (`format.metrics`): every step's loss equals the
 uninterrupted run's StepResult losses, a crash then a resume stores each step exactly
 once, the loop's scalars round-trip, refusals name what was wrong, `inspect` shows the
 curves and the audit finds a tampered metrics record."""
@@ -20,15 +20,15 @@ from hypothesis import given
 from cocoon_ckpt import StepResult, open_job, run_job
 from cocoon_ckpt._cli.catalog import _inspect_lines
 from cocoon_ckpt.examples import mlp as mlp_job
-from cocoon_ckpt.tools.audit import audit_store
-from cocoon_ckpt.tools.catalog import inspect_store
-from cocoon_ckpt.train.metrics import (
+from cocoon_ckpt.format.metrics import (
     MetricsError,
     Series,
     TrainingMetrics,
     pack_values,
     read_metrics,
 )
+from cocoon_ckpt.tools.audit import audit_store
+from cocoon_ckpt.tools.catalog import inspect_store
 from fault_injection import CrashPointHit, crash_at, disarm_all
 from state import Store
 

@@ -16,7 +16,7 @@ from cocoon_ckpt import run_job
 from cocoon_ckpt._cli.main import main
 from cocoon_ckpt._cli.train import job_options
 from cocoon_ckpt.examples import mlp
-from cocoon_ckpt.train.part_state import MAX_PART_DEPTH, decode_part_state, encode_part_state
+from cocoon_ckpt.format.part_state import MAX_PART_DEPTH, decode_part_state, encode_part_state
 from cocoon_ckpt.train.parts import JobParts
 from state import Store
 from state.canonical_json import canonical_text, load_bounded

@@ -22,9 +22,9 @@ import pytest
 
 from cocoon_ckpt._cli.main import main
 from cocoon_ckpt.dp.sampler import CyclicPoissonSampler
+from cocoon_ckpt.format.stored import model_state
 from cocoon_ckpt.keys import KEY_BYTES, create_key_file
 from cocoon_ckpt.train.config import MAX_LR, MIN_LEASE_EXPIRY_S, DPConfig, JobConfig
-from cocoon_ckpt.train.stored import model_state
 from state import Store
 
 SMALL = (

@@ -20,14 +20,14 @@ from cocoon_ckpt.dp.generator import NoiseRng, generator_backend
 from cocoon_ckpt.dp.mechanism import MechanismKind
 from cocoon_ckpt.errors import ConfigError, ConfigMismatchError, GeneratorMismatchError
 from cocoon_ckpt.examples import mlp
+from cocoon_ckpt.format.codec import decode
+from cocoon_ckpt.format.part_state import decode_part_state, encode_part_state
+from cocoon_ckpt.format.stored import model_state
 from cocoon_ckpt.train import config as cfgmod
 from cocoon_ckpt.train.build import build_trainer
-from cocoon_ckpt.train.codec import decode
 from cocoon_ckpt.train.config import NOISE_RNGS, OPTIMIZERS
 from cocoon_ckpt.train.lr_schedule import lr_schedule_ahead
-from cocoon_ckpt.train.part_state import decode_part_state, encode_part_state
 from cocoon_ckpt.train.parts import JobParts
-from cocoon_ckpt.train.stored import model_state
 from cocoon_ckpt.train.trainer import DPTrainer
 from state import Store
 

@@ -13,7 +13,7 @@ import torch
 from cocoon_ckpt import ConfigMismatchError, NoiseKeyError, export_model, run_job
 from cocoon_ckpt.dp.noise import check_generator_backend, generator_backend
 from cocoon_ckpt.errors import GeneratorMismatchError
-from cocoon_ckpt.train.ring_rows import slot_refs
+from cocoon_ckpt.format.ring_rows import slot_refs
 from fault_injection import CrashPointHit, crash_at, disarm_all
 from state import Store
 

@@ -19,12 +19,12 @@ from cocoon_ckpt import ResumeAllowances, export_model, run_job
 from cocoon_ckpt.dp.bandmf_noise import BandMFNoise
 from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.dp.ring import HostRing
+from cocoon_ckpt.format.ring_rows import borrowable, encode_slots, load_ring, slot_refs
 from cocoon_ckpt.layout import ring_name, ring_rows_name
 from cocoon_ckpt.tools.audit import audit_store
 from cocoon_ckpt.tools.audit.arrays import check_checksums
 from cocoon_ckpt.tools.audit.report import AuditReport
 from cocoon_ckpt.tools.bounds import VersionBounds
-from cocoon_ckpt.train.ring_rows import borrowable, encode_slots, load_ring, slot_refs
 from state import Manifest, Store, Version, restamp
 from state.arrays import write_array, written_meta
 

@@ -6,9 +6,9 @@ narrowed to the slots whose rows fail their own checksums."""
 
 from __future__ import annotations
 
+from cocoon_ckpt.format.ring_rows import damaged_rows, rows_by_array
 from cocoon_ckpt.tools.audit.report import AuditReport
 from cocoon_ckpt.tools.bounds import VersionBounds, check_bounds
-from cocoon_ckpt.train.ring_rows import damaged_rows, rows_by_array
 from state import CorruptVersionError, Manifest, Store, UnsafePathError, Version
 
 __all__ = ["check_checksums", "check_store_bounds"]

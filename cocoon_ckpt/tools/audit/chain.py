@@ -5,9 +5,9 @@ step and checksum at the same row)."""
 
 from __future__ import annotations
 
+from cocoon_ckpt.format.ring_rows import rows_by_array
 from cocoon_ckpt.tools.audit.report import AuditReport
 from cocoon_ckpt.tools.catalog import own_prefix
-from cocoon_ckpt.train.ring_rows import rows_by_array
 from state import CorruptVersionError, Manifest, Store
 from state.paths import version_of_path
 

@@ -8,11 +8,11 @@ import numpy as np
 from torch.utils.data import TensorDataset
 
 from cocoon_ckpt.dp.mechanism import BandMF
+from cocoon_ckpt.format.ring_rows import slot_refs, slot_values
 from cocoon_ckpt.records import EmbeddingRecord, TableRecord
 from cocoon_ckpt.tools.audit.report import AuditReport
 from cocoon_ckpt.tools.regenerate import regenerate
 from cocoon_ckpt.train.parts import JobParts
-from cocoon_ckpt.train.ring_rows import slot_refs, slot_values
 from state import Manifest, Store, Version
 
 __all__ = ["check_embedding"]

@@ -11,12 +11,12 @@ import numpy as np
 
 from cocoon_ckpt.dp.blt.strategy import BLT
 from cocoon_ckpt.dp.mechanism import BandMF
+from cocoon_ckpt.format.ring_rows import slot_refs, slot_values
 from cocoon_ckpt.keys import key_id
 from cocoon_ckpt.records import NoiseRecord
 from cocoon_ckpt.tools.audit.report import AuditReport
 from cocoon_ckpt.tools.bounds import VersionBounds
 from cocoon_ckpt.tools.regenerate import regenerate, regenerate_blt_buffers
-from cocoon_ckpt.train.ring_rows import slot_refs, slot_values
 from state import CorruptVersionError, Manifest, Store, Version
 
 __all__ = ["check_noise"]

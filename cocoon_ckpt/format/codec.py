@@ -2,13 +2,13 @@
 
 `encode` turns exactly what `DPTrainer.state_dict()` returns into host copies of the
 arrays (the ring slots new since the parent version as one array of rows, older ones
-referenced from it: `train.ring_rows`) and the typed records of `cocoon_ckpt.records`;
+referenced from it: `format.ring_rows`) and the typed records of `cocoon_ckpt.records`;
 `decode` turns a verified version back into the dict `DPTrainer.load_state_dict()`
-takes. Embedding tables are `train.table_codec`'s part. The store format is
+takes. Embedding tables are `format.table_codec`'s part. The store format is
 docs/store-format.md.
 
 The trainer is never imported here. A version's single parts (the model, the config,
-the embedding plans) are read by `cocoon_ckpt.train.stored`, which the tools use.
+the embedding plans) are read by `cocoon_ckpt.format.stored`, which the tools use.
 """
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from cocoon_ckpt.format.part_state import decode_part_state, encode_part_state
+from cocoon_ckpt.format.ring_rows import borrowable, encode_slots, load_ring
+from cocoon_ckpt.format.stored import model_state, records_of
+from cocoon_ckpt.format.table_codec import decode_tables, encode_tables
+from cocoon_ckpt.format.trainer_state import TRAINER_SCHEMA, PartState, RngState, TrainerState
 from cocoon_ckpt.layout import model_name, optim_name, ring_rows_name, rng_name
 from cocoon_ckpt.records import (
     AccountantRecord,
@@ -35,11 +40,6 @@ from cocoon_ckpt.records import (
     ShardRecord,
     SnapshotRecords,
 )
-from cocoon_ckpt.train.part_state import decode_part_state, encode_part_state
-from cocoon_ckpt.train.ring_rows import borrowable, encode_slots, load_ring
-from cocoon_ckpt.train.stored import model_state, records_of
-from cocoon_ckpt.train.table_codec import decode_tables, encode_tables
-from cocoon_ckpt.train.trainer_state import TRAINER_SCHEMA, PartState, RngState, TrainerState
 from state import ArrayMeta, Manifest, Version
 
 __all__ = [

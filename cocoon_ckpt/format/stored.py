@@ -11,10 +11,9 @@ import torch
 from cocoon_ckpt.embedding.engine import TablePlan
 from cocoon_ckpt.layout import MODEL_PREFIX
 from cocoon_ckpt.records import VersionRecords
-from cocoon_ckpt.train.config import JobConfig
 from state import Manifest, Store, StoreError, Version
 
-__all__ = ["model_state", "read_config", "records_of", "stored_table_plans"]
+__all__ = ["model_state", "newest_records", "records_of", "stored_table_plans"]
 
 
 def records_of(version: Version | Manifest) -> VersionRecords:
@@ -39,10 +38,10 @@ def stored_table_plans(version: Version) -> dict[str, TablePlan] | None:
     return {t["param"]: TablePlan.from_record(dict(t["plan"])) for t in emb["tables"]}
 
 
-def read_config(store_url: str, storage_options: dict[str, Any] | None = None) -> JobConfig:
-    """The JobConfig recorded in a store's newest version."""
+def newest_records(store_url: str, storage_options: dict[str, Any] | None = None) -> VersionRecords:
+    """The records of a store's newest version (its config among them)."""
     store = Store.open(store_url, storage_options=storage_options, create=False)
     versions = store.versions()
     if not versions:
         raise StoreError(f"{store_url} has no committed version")
-    return JobConfig.from_record(records_of(store.manifest(versions[-1]))["config"])
+    return records_of(store.manifest(versions[-1]))

@@ -3,7 +3,7 @@
 carry in their own state dicts (global generators, where the noise lies, the embedding
 tables' job-lifetime arrays).
 
-`cocoon_ckpt.train.codec` turns exactly this dict into a version's arrays and records
+`cocoon_ckpt.format.codec` turns exactly this dict into a version's arrays and records
 and back; nothing else builds it.
 """
 

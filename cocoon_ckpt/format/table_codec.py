@@ -8,15 +8,15 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from cocoon_ckpt.embedding.csc import CoalescedCSC
+from cocoon_ckpt.format.ring_rows import borrowable, encode_slots, load_ring
+from cocoon_ckpt.format.stored import records_of
+from cocoon_ckpt.format.trainer_state import TableArrays, TrainerState
 from cocoon_ckpt.layout import emb_name, table_ring_rows_name
 from cocoon_ckpt.records import EmbeddingRecord, RingSlot, ShardRecord, TableRecord
-from cocoon_ckpt.train.ring_rows import borrowable, encode_slots, load_ring
-from cocoon_ckpt.train.stored import records_of
-from cocoon_ckpt.train.trainer_state import TableArrays, TrainerState
 from state import Manifest, Version
 
 if TYPE_CHECKING:
-    from cocoon_ckpt.train.codec import Snapshot
+    from cocoon_ckpt.format.codec import Snapshot
 
 __all__ = ["decode_tables", "encode_tables"]
 
