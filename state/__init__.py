@@ -5,7 +5,7 @@ about privacy or torch.
 """
 
 from . import hooks, paths
-from .backend import Backend, Capabilities, open_backend
+from .backend import Backend, Capabilities
 from .checksum import array_checksum
 from .errors import (
     CommitConflictError,
@@ -25,6 +25,7 @@ from .fsspec_backend import FsspecBackend
 from .lease import Lease
 from .local_backend import LocalBackend
 from .manifest import FORMAT_VERSION, MAC_KEY_BYTES, ArrayMeta, Manifest, ManifestMacs, restamp
+from .open import open_backend
 from .reachability import Space
 from .retention import KeepEvery, KeepLast, KeepVersions, OnDamage, RetentionPolicy
 from .retry import RetryPolicy, is_transient

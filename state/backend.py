@@ -8,8 +8,9 @@ rename on object stores is copy + delete and is never used for a commit.
 
 `Backend` is the contract and what every backend shares (retried reads through
 fsspec, the guarded exclusive create); `LocalBackend` (state.local_backend) and
-`FsspecBackend` (state.fsspec_backend) implement the writes. `Backend(url, ...)` picks
-one from the URL's filesystem, as `pathlib.Path` picks its flavour.
+`FsspecBackend` (state.fsspec_backend) implement the writes; `state.open.open_backend`
+picks one from the URL's filesystem, above this contract (as zarr keeps its URL dispatch
+above `abc.store`).
 """
 
 from __future__ import annotations
@@ -25,10 +26,7 @@ from zarr.abc.store import Store as ZarrStore
 from .errors import StoreError
 from .retry import RetryPolicy
 
-__all__ = ["Backend", "Capabilities", "open_backend"]
-
-#: Protocols served by `LocalBackend`.
-LOCAL_PROTOCOLS = frozenset({"file", "local"})
+__all__ = ["Backend", "Capabilities", "fs_protocols", "url_filesystem"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,24 +44,27 @@ class Capabilities:
     permissions: bool
 
 
-def _resolve(
+def url_filesystem(
     url: str, storage_options: dict[str, Any], fs: fsspec.AbstractFileSystem | None
 ) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem `url` lies on and the path inside it (`fs` given: `url` is the
+    path inside `fs`)."""
     if fs is None:
         fs, root = fsspec.core.url_to_fs(url, **storage_options)
         return fs, str(root)
     return fs, str(fs._strip_protocol(url))
 
 
-def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+def fs_protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    """The protocols `fs` serves, as a tuple whatever fsspec's form."""
     return tuple(fs.protocol) if isinstance(fs.protocol, tuple) else (str(fs.protocol),)
 
 
 class Backend(abc.ABC):
     """A store root behind an fsspec URL.
 
-    Calling `Backend(url, ...)` itself builds the subclass for the URL's filesystem
-    (`open_backend`); subclasses are built directly too.
+    `state.open_backend(url, ...)` builds the subclass for the URL's filesystem;
+    subclasses are built directly too.
 
     Args:
         url: a local path, `file://`, `memory://`, `s3://`, or any fsspec URL.
@@ -77,19 +78,6 @@ class Backend(abc.ABC):
     local: bool = False
     capabilities: Capabilities
 
-    def __new__(
-        cls,
-        url: str,
-        storage_options: dict[str, Any] | None = None,
-        fs: fsspec.AbstractFileSystem | None = None,
-        retry: RetryPolicy | None = None,
-    ) -> Backend:
-        if cls is Backend:
-            options = dict(storage_options or {})
-            resolved, _ = _resolve(url, options, fs)
-            cls = _backend_class(resolved)
-        return super().__new__(cls)
-
     def __init__(
         self,
         url: str,
@@ -101,9 +89,9 @@ class Backend(abc.ABC):
         #: Retries the idempotent operations below. `create_exclusive` is not retried
         #: here: only its caller can tell its own landed create from someone else's.
         self.retry = retry or RetryPolicy()
-        fs, root = _resolve(url, self.storage_options, fs)
+        fs, root = url_filesystem(url, self.storage_options, fs)
         self.fs: fsspec.AbstractFileSystem = fs
-        self.protocols = _protocols(fs)
+        self.protocols = fs_protocols(fs)
         self.protocol: str = self.protocols[0]
         self.root: str = root.rstrip("/") if root != "/" else root
         self.url = url
@@ -294,27 +282,3 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def zarr_store(self, rel: str) -> ZarrStore:
         """A zarr store rooted at `rel`, for zarr's own reads and writes."""
-
-
-def _backend_class(fs: fsspec.AbstractFileSystem) -> type[Backend]:
-    if set(_protocols(fs)) & LOCAL_PROTOCOLS:
-        from .local_backend import LocalBackend
-
-        return LocalBackend
-    from .fsspec_backend import FsspecBackend
-
-    return FsspecBackend
-
-
-def open_backend(
-    url: str,
-    storage_options: dict[str, Any] | None = None,
-    *,
-    fs: fsspec.AbstractFileSystem | None = None,
-    retry: RetryPolicy | None = None,
-) -> Backend:
-    """The backend for `url`: `LocalBackend` for local paths and `file://`,
-    `FsspecBackend` for every other fsspec filesystem (memory://, s3://, faulty://).
-    `Backend(url, ...)` does the same."""
-    resolved, _ = _resolve(url, dict(storage_options or {}), fs)
-    return _backend_class(resolved)(url, storage_options, fs=fs, retry=retry)

@@ -15,7 +15,7 @@ import fsspec
 import numpy as np
 
 from .arrays import ensure_groups, write_array, written_meta
-from .backend import Backend, open_backend
+from .backend import Backend
 from .errors import (
     CorruptVersionError,
     NotAStoreError,
@@ -27,6 +27,7 @@ from .errors import (
 from .lease import DEFAULT_LEASE_EXPIRY_S, Lease, acquire_lease, current_holder
 from .manifest import MAC_KEY_BYTES, ArrayMeta, Manifest
 from .manifest_cache import ManifestCache, refused_manifest
+from .open import open_backend
 from .paths import (
     MANIFESTS,
     SECRET,

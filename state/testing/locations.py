@@ -10,7 +10,8 @@ from typing import Any
 
 import fsspec
 
-from ..backend import Backend, open_backend
+from ..backend import Backend
+from ..open import open_backend
 from ..store import Store
 
 __all__ = [

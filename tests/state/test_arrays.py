@@ -13,8 +13,8 @@ from hypothesis.extra import numpy as hnp
 from zarr.codecs import Crc32cCodec
 
 from state import arrays
-from state.backend import Backend
 from state.checksum import array_checksum
+from state.open import open_backend
 
 DTYPES = st.sampled_from([np.float32, np.float64, np.int64, np.int8, np.uint8, np.bool_])
 
@@ -32,7 +32,7 @@ def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_zarr_reads_what_we_write(
     tmp_path_factory: pytest.TempPathFactory, arr: np.ndarray
 ) -> None:
-    backend = Backend(str(tmp_path_factory.mktemp("w")))
+    backend = open_backend(str(tmp_path_factory.mktemp("w")))
     arrays.ensure_groups(backend, "g", "a", set())
     checksum, chunks = arrays.write_array(backend, "g", "a", arr)
     assert checksum == array_checksum(arr)
@@ -63,16 +63,16 @@ def test_we_read_what_zarr_writes(
         fill_value=0,
         config={"write_empty_chunks": True},
     )
-    got, crc = arrays.read_array(Backend(str(root)), "g", "a")
+    got, crc = arrays.read_array(open_backend(str(root)), "g", "a")
     assert got.tobytes() == arr.tobytes() and crc == array_checksum(arr)
     # zarr's default keys `c/0/0` are format 2's: read from a manifest's layout too
     layout = (arr.shape, str(arr.dtype), (2, *arr.shape[1:]))
-    got, crc = arrays.read_array(Backend(str(root)), "g", "a", layout, "/")
+    got, crc = arrays.read_array(open_backend(str(root)), "g", "a", layout, "/")
     assert got.tobytes() == arr.tobytes() and crc == array_checksum(arr)
 
 
 def test_damaged_chunks_raise(tmp_path: Path) -> None:
-    backend = Backend(str(tmp_path))
+    backend = open_backend(str(tmp_path))
     arrays.ensure_groups(backend, "g", "a", set())
     arrays.write_array(backend, "g", "a", np.arange(100, dtype=np.float64))
     chunk = tmp_path / "g" / "a" / "c.3"
@@ -90,7 +90,7 @@ def test_damaged_chunks_raise(tmp_path: Path) -> None:
 
 
 def test_memory_backend_uses_the_same_format() -> None:
-    backend = Backend("memory://arrays-fmt")
+    backend = open_backend("memory://arrays-fmt")
     arr = np.arange(50, dtype=np.float32).reshape(10, 5)
     arrays.ensure_groups(backend, "g", "a", set())
     arrays.write_array(backend, "g", "a", arr)

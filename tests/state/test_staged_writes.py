@@ -19,8 +19,8 @@ from zarr.codecs import BytesCodec, Crc32cCodec
 from state import Store, hooks, local_backend
 from state import arrays as arrays_module
 from state.arrays import ensure_groups, write_array
-from state.backend import open_backend
 from state.checksum import array_checksum
+from state.open import open_backend
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ import zarr
 from cocoon_ckpt import DPConfig, JobConfig, run_job
 from cocoon_ckpt.embedding import EmbeddingConfig, TableMode
 from state import Store, Version, arrays
-from state.backend import Backend
+from state.open import open_backend
 from tests.cocoon_ckpt.conftest import job_config
 
 
@@ -55,7 +55,7 @@ def test_every_dtype_we_write_opens_in_zarr_and_tensorstore(
     spells a complex fill as [real, imag]); ragged edge chunks, 0-d and empty arrays."""
     monkeypatch.setattr(arrays, "CHUNK_BYTES", 24)  # several chunks, a padded edge chunk
     arr = CASES[name]
-    backend = Backend(str(tmp_path))
+    backend = open_backend(str(tmp_path))
     arrays.ensure_groups(backend, "g", name, set())
     arrays.write_array(backend, "g", name, arr)
     meta = json.loads((tmp_path / "g" / name / "zarr.json").read_text())
@@ -65,7 +65,7 @@ def test_every_dtype_we_write_opens_in_zarr_and_tensorstore(
 
 
 def test_refused_dtypes_and_dimension_names_write_nothing(tmp_path: Path) -> None:
-    backend = Backend(str(tmp_path))
+    backend = open_backend(str(tmp_path))
     with pytest.raises(TypeError, match=r"g/when: dtype datetime64\[s\] is not a zarr v3"):
         arrays.write_array(backend, "g", "when", np.array(["2026-01-01"], "datetime64[s]"))
     with pytest.raises(ValueError, match=r"g/w: dimension_names=\['slot'\] must hold one"):
