@@ -172,6 +172,15 @@ def add_parser(sub: Subparsers) -> None:
         "from a quick profile)",
     )
     p.add_argument(
+        "--csc-window-steps",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="read each coalesced table's committed CSC from the store in windows of this "
+        "many steps, the next one read ahead (at most two in memory), so the CSC need not "
+        "fit in RAM (default: held whole). The same bits either way: a resume may change it",
+    )
+    p.add_argument(
         "--takeover",
         action="store_true",
         help="take the writer lease even if its holder looks alive",

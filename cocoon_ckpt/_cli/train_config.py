@@ -66,6 +66,7 @@ EMBEDDING_FLAGS: dict[str, str] = {
     "embedding": "mode",
     "threat_model": "threat_model",
     "hot_threshold": "hot_threshold",
+    "csc_window_steps": "csc_window_steps",
 }
 
 #: What the CLI chooses itself: the built-in example job's sizes (DPConfig has no default
@@ -229,6 +230,12 @@ def _embedding(args: argparse.Namespace) -> Any:
     }
     if not given:
         return None
+    if set(given) == {"csc_window_steps"}:
+        raise ConfigError(
+            f"--csc-window-steps {given['csc_window_steps']}: the job's embedding tables are "
+            "part of the dense noise vector and have no CSC; give it with --embedding "
+            "coalesced (or auto) and --threat-model final_model, or drop it"
+        )
     from cocoon_ckpt.embedding.config import EmbeddingConfig
 
     return EmbeddingConfig(**given)

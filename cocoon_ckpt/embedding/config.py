@@ -67,6 +67,10 @@ class EmbeddingConfig:
         tile_rows: Rows per precompute tile; None: as many as keep a tile's history near 8 MiB.
         lr_schedule: The SGD learning rate of every step (length = steps); None: the optimizer's
             constant learning rate. A coalesced table's entries are precomputed with it.
+        csc_window_steps: Read each coalesced table's committed CSC from the store in windows of
+            this many steps, the next one prefetched (at most two in memory); None: hold the
+            whole CSC in memory. The same bits either way, so a resume may change it (not
+            fingerprinted).
     """
 
     tables: tuple[TableSpec, ...] = ()
@@ -75,6 +79,7 @@ class EmbeddingConfig:
     hot_threshold: int | None = None
     tile_rows: int | None = None
     lr_schedule: tuple[float, ...] | None = None
+    csc_window_steps: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tables", tuple(self.tables))
@@ -101,6 +106,11 @@ class EmbeddingConfig:
             raise ValueError(f"EmbeddingConfig.hot_threshold={self.hot_threshold}: must be >= 0")
         if self.tile_rows is not None and self.tile_rows < 1:
             raise ValueError(f"EmbeddingConfig.tile_rows={self.tile_rows}: must be >= 1")
+        if self.csc_window_steps is not None and self.csc_window_steps < 1:
+            raise ValueError(
+                f"EmbeddingConfig.csc_window_steps={self.csc_window_steps}: give 1 or more "
+                "steps per window, or None to hold the whole CSC in memory"
+            )
         if self.lr_schedule is not None:
             lrs = tuple(float(x) for x in self.lr_schedule)
             if not all(math.isfinite(x) and x >= 0 for x in lrs):

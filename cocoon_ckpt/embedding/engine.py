@@ -19,6 +19,7 @@ from cocoon_ckpt.dp.generator import NoiseRng
 from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.embedding.config import TableMode, TableSpec
 from cocoon_ckpt.embedding.csc import CoalescedCSC
+from cocoon_ckpt.embedding.csc_window import CscWindows, StoredCSC
 from cocoon_ckpt.embedding.lazy import LazyNoise
 from cocoon_ckpt.embedding.one_thread import one_thread
 from cocoon_ckpt.embedding.precompute import TileParts, precompute_csc, table_key, table_noise
@@ -74,6 +75,8 @@ class TableEngine:
         tiers: where the online history lives (`cocoon_ckpt.tiers`; None: the host).
         rng: the fresh noise's generator (`NoiseRng`), for the precompute and the online
             rows alike (the lazy b = 1 path draws its own, `LazyNoise`).
+        csc_window_steps: read a committed CSC from the store in windows of this many
+            steps (`embedding.csc_window`); None: hold it whole in memory.
     """
 
     def __init__(
@@ -91,6 +94,7 @@ class TableEngine:
         tile_rows: int | None = None,
         tiers: TierConfig | None = None,
         rng: NoiseRng | str = NoiseRng.DEFAULT,
+        csc_window_steps: int | None = None,
     ) -> None:
         if plan.mode is TableMode.AUTO:
             raise ValueError("a TablePlan's mode must be resolved (dense, coalesced or lazy)")
@@ -130,7 +134,8 @@ class TableEngine:
             )
         self._online_index = torch.from_numpy(self.order[: self.online_rows])
         self.lazy = LazyNoise(sub, dim, std, factors) if plan.mode is TableMode.LAZY else None
-        self.csc: CoalescedCSC | None = None
+        self.csc_window_steps = csc_window_steps
+        self.csc: CoalescedCSC | CscWindows | None = None
         self.precompute_seconds = 0.0
         self.entries_applied = 0
 
@@ -197,14 +202,42 @@ class TableEngine:
         self.precompute_seconds = time.perf_counter() - t0
         return self.csc
 
-    def set_csc(self, csc: CoalescedCSC) -> None:
-        """Use a CSC loaded from the store (it was checksummed there)."""
-        if csc.steps != self.schedule.steps or (csc.values.shape[1:] != (self.dim,)):
+    def set_csc(self, csc: CoalescedCSC | CscWindows | StoredCSC) -> None:
+        """Use a CSC loaded from the store (it was checksummed there), read from it in
+        windows, or committed in it: then read whole, or in windows when
+        `csc_window_steps` is set."""
+        if isinstance(csc, CoalescedCSC):
+            dim = csc.values.shape[1:]
+        else:
+            dim = (csc.stored.dim,) if isinstance(csc, CscWindows) else (csc.dim,)
+        if csc.steps != self.schedule.steps or dim != (self.dim,):
             raise ValueError(
                 f"table {self.spec.param}: the stored CSC has {csc.steps} steps x "
-                f"{csc.values.shape[1:]} but this job needs {self.schedule.steps} x ({self.dim},)"
+                f"{dim} but this job needs {self.schedule.steps} x ({self.dim},)"
             )
-        self.csc = csc
+        if csc is self.csc:
+            return
+        self._drop_csc()
+        if isinstance(csc, CoalescedCSC | CscWindows):
+            self.csc = csc
+        elif self.csc_window_steps is None:
+            self.csc = csc.load()
+        else:
+            self.csc = CscWindows(csc, self.csc_window_steps)
+
+    def csc_committed(self, stored: StoredCSC) -> None:
+        """This table's CSC is committed as `stored`: with `csc_window_steps` set, the
+        steps from now on read it from the store in windows, and the whole CSC the
+        precompute left in memory is let go (the windows are checked against it)."""
+        if self.csc_window_steps is None or not isinstance(self.csc, CoalescedCSC):
+            return
+        windows = CscWindows(stored, self.csc_window_steps, like=self.csc)
+        self.csc = windows
+
+    def _drop_csc(self) -> None:
+        if isinstance(self.csc, CscWindows):
+            self.csc.close()
+        self.csc = None
 
     # per step --------------------------------------------------------------------
     def before_read(self, t: int, weight: torch.Tensor) -> None:
@@ -273,6 +306,8 @@ class TableEngine:
     def close(self) -> None:
         if self.online is not None:
             self.online.close()
+        if isinstance(self.csc, CscWindows):
+            self.csc.close()
 
     # state -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

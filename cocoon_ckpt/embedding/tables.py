@@ -15,13 +15,17 @@ from torch import nn
 from cocoon_ckpt._state_dict import check_state
 from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.embedding.config import EmbeddingConfig, TableMode
+from cocoon_ckpt.embedding.csc import CoalescedCSC
+from cocoon_ckpt.embedding.csc_window import StoredCSC
 from cocoon_ckpt.embedding.engine import TableEngine, TablePlan
 from cocoon_ckpt.embedding.profile import choose_threshold, measure_unit_costs
 from cocoon_ckpt.embedding.schedule import AccessSchedule, table_schedule
 from cocoon_ckpt.embedding.sparse import check_tables
 from cocoon_ckpt.embedding.stored_tiles import StoredTiles, TileWriter, drop_tile_parts
 from cocoon_ckpt.keys import tile_mac_key
+from cocoon_ckpt.layout import emb_name
 from cocoon_ckpt.tiers.config import TierConfig
+from state import Version
 
 if TYPE_CHECKING:
     from state import Manifest, Store
@@ -124,6 +128,7 @@ class EmbeddingNoise:
                     plan,
                     config.tile_rows,
                     tiers,
+                    csc_window_steps=config.csc_window_steps,
                 )
             )
 
@@ -200,9 +205,25 @@ class EmbeddingNoise:
 
     def drop_tile_parts(self, store: Store, manifest: Manifest | None) -> bool:
         """Delete the precompute's tile parts once `manifest` (committed) holds every
-        coalesced table's CSC; whether they are gone (`stored_tiles.drop_tile_parts`)."""
+        coalesced table's CSC; whether they are gone (`stored_tiles.drop_tile_parts`).
+        The CSCs the precompute left in memory are then read from the store in windows
+        (`csc_committed`), where the config asks for it."""
         coalesced = [e.spec.param for e in self.engines if e.plan.mode is TableMode.COALESCED]
+        self.csc_committed(store, manifest)
         return drop_tile_parts(store, manifest, coalesced)
+
+    def csc_committed(self, store: Store, manifest: Manifest | None) -> None:
+        """With `csc_window_steps` set, each coalesced table whose CSC `manifest`
+        (committed) holds reads it from the store in windows from now on, and lets go of
+        the whole CSC its precompute computed."""
+        if manifest is None or self.config.csc_window_steps is None:
+            return
+        version = Version(store, manifest)
+        for e in self.engines:
+            if isinstance(e.csc, CoalescedCSC) and emb_name(e.spec.param, "csc/values") in (
+                manifest.arrays
+            ):
+                e.csc_committed(StoredCSC.of_version(version, e.spec.param))
 
     @property
     def prepared(self) -> bool:

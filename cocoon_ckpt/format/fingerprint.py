@@ -31,6 +31,7 @@ HARMLESS_FIELDS = frozenset(
         "async_checkpoint",
         "log_level",
         "tile_rows",
+        "csc_window_steps",
         "overlap_noise",
         "grad_threads",
         "lease_expiry_s",

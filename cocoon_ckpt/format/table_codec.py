@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from cocoon_ckpt.embedding.csc import CoalescedCSC
+from cocoon_ckpt.embedding.csc_window import CscWindows, StoredCSC
 from cocoon_ckpt.format.ring_rows import borrowable, encode_slots, load_ring
 from cocoon_ckpt.format.stored import records_of
 from cocoon_ckpt.format.trainer_state import TableArrays, TrainerState
@@ -55,7 +55,9 @@ def encode_tables(state: TrainerState, parent: Manifest | None, snap: Snapshot) 
             )
         csc = arrs["csc"]
         job_arrays = {"order": arrs["order"]}
-        if csc is not None:
+        if isinstance(csc, CscWindows | StoredCSC):  # read in windows: it is committed
+            snap.references.update({emb_name(param, f"csc/{k}"): m for k, m in csc.metas.items()})
+        elif csc is not None:
             job_arrays.update({f"csc/{k}": v for k, v in csc.arrays().items()})
         for k, arr in job_arrays.items():
             name = emb_name(param, k)
@@ -116,14 +118,8 @@ def decode_tables(
                 "online": online,
             }
         )
-        csc = None
-        if rec["csc"] is not None:
-            csc = CoalescedCSC.from_arrays(
-                {
-                    k: version.array(emb_name(param, f"csc/{k}"))
-                    for k in ("col_ptr", "rows", "values")
-                }
-            )
+        # not read yet: the table's engine reads it whole or in windows (`set_csc`)
+        csc = StoredCSC.of_version(version, param) if rec["csc"] is not None else None
         arrays.append(
             TableArrays(
                 param=param,

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from cocoon_ckpt.dp.bandmf_noise import BandMFNoise
     from cocoon_ckpt.dp.blt.noise import BLTNoise
     from cocoon_ckpt.embedding.csc import CoalescedCSC
+    from cocoon_ckpt.embedding.csc_window import CscWindows, StoredCSC
     from cocoon_ckpt.embedding.tables import EmbeddingNoise
 
 __all__ = [
@@ -97,8 +98,9 @@ class TableArrays(TypedDict):
     """Rows whose noise is generated online (a ring); the rest is precomputed or lazy."""
     order: np.ndarray
     """(rows,) int64: the table's noise order, fixed by the sampler and the data."""
-    csc: CoalescedCSC | None
-    """The precomputed coalesced noise (None: not coalesced, or not yet computed)."""
+    csc: CoalescedCSC | CscWindows | StoredCSC | None
+    """The precomputed coalesced noise (None: not coalesced, or not yet computed): in
+    memory, read from the store in windows, or committed and not read yet (a resume's)."""
     precompute_seconds: float
     history_bytes: int
 

@@ -1,0 +1,381 @@
+"""A committed CSC read from the store in windows of steps, so a table's coalesced noise
+need not fit in host memory (`EmbeddingConfig.csc_window_steps`).
+
+Window w holds the columns [w W, (w + 1) W) of the CSC (the tails, column n, are in the
+last window): a contiguous run of its entries, because the entries are sorted by
+column. While step t uses its window, a background thread reads the next one, so at
+most two windows are resident: the current one and the next.
+
+What is verified, and when. `CscWindows` first streams every chunk of the stored
+`rows` and `values` once, one chunk in memory at a time: each chunk's crc32c and the
+whole array's checksum against the manifest, what the whole-CSC path checks
+(`state.Version.array`). In the same pass it records the crc32c of every window's
+bytes; a window read later is checked against that crc before any of it is used, so a
+byte changed in the store after the open is caught, never applied. A CSC the job
+itself computed and committed is not read back: its window crcs come from the arrays
+in memory, after their checksum is found equal to the committed one, and the windows
+read back from the store are then checked against them.
+
+The windows never change the bits: every column is the same (rows, values) as the
+whole CSC's, applied in the same order (tests/cocoon_ckpt/test_csc_window.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import stat
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import crc32c
+import numpy as np
+
+from cocoon_ckpt.embedding.csc import CoalescedCSC
+from cocoon_ckpt.layout import emb_name
+from state import ArrayMeta, CorruptVersionError, Manifest, Store, Version, array_checksum
+from state.arrays import chunk_key
+from state.version import check_confined
+
+__all__ = ["CSC_PARTS", "CscWindows", "StoredCSC"]
+
+#: A CSC's arrays, by their name under `emb/<param>/csc/`.
+CSC_PARTS = ("col_ptr", "rows", "values")
+
+
+@dataclass(frozen=True, slots=True)
+class StoredCSC:
+    """A CSC committed in a version, not read yet: its arrays' manifest entries and its
+    column pointer (small, read and verified), from which the rest is bounded.
+
+    Attributes:
+        store: the store holding it.
+        manifest: the committed version that names it.
+        param: the table's parameter name.
+        metas: the manifest entries of `col_ptr`, `rows` and `values`.
+        col_ptr: (n+2,) int64, verified against the manifest.
+    """
+
+    store: Store
+    manifest: Manifest
+    param: str
+    metas: dict[str, ArrayMeta]
+    col_ptr: np.ndarray
+
+    @classmethod
+    def of_version(cls, version: Version, param: str) -> StoredCSC:
+        """Table `param`'s CSC in `version`, its layout checked against its column pointer.
+
+        Raises:
+            KeyError: the version holds no CSC for `param`.
+            CorruptVersionError: the column pointer fails its checksum, or the arrays'
+                shapes disagree with it.
+        """
+        metas = {k: version.manifest.arrays[emb_name(param, f"csc/{k}")] for k in CSC_PARTS}
+        ptr = np.asarray(version.array(emb_name(param, "csc/col_ptr")))
+        rows, values = metas["rows"], metas["values"]
+        nnz = int(ptr[-1]) if ptr.ndim == 1 and ptr.size else -1
+        bad = None
+        if ptr.ndim != 1 or ptr.size < 2 or ptr[0] != 0 or np.any(np.diff(ptr) < 0):
+            bad = "its col_ptr is not a valid column pointer"
+        elif rows.shape != (nnz,) or rows.dtype != "int64":
+            bad = f"its rows are {rows.dtype}{list(rows.shape)}, col_ptr says int64[{nnz}]"
+        elif len(values.shape) != 2 or values.shape[0] != nnz:
+            bad = f"its values are {list(values.shape)}, col_ptr says {nnz} entries"
+        if bad is not None:
+            raise CorruptVersionError(
+                f"version {version.version} of {version.store.url}: the CSC of table "
+                f"{param}: {bad}",
+                version=version.version,
+                path=metas["col_ptr"].path,
+            )
+        return cls(version.store, version.manifest, param, metas, ptr)
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+    @property
+    def steps(self) -> int:
+        return int(self.col_ptr.size) - 2
+
+    @property
+    def nnz(self) -> int:
+        return int(self.col_ptr[-1])
+
+    @property
+    def dim(self) -> int:
+        return int(self.metas["values"].shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """What the whole CSC takes in memory."""
+        return sum(math.prod(m.shape) * np.dtype(m.dtype).itemsize for m in self.metas.values())
+
+    def load(self) -> CoalescedCSC:
+        """The whole CSC in memory, each array verified against the manifest."""
+        version = Version(self.store, self.manifest)
+        return CoalescedCSC.from_arrays(
+            {k: version.array(emb_name(self.param, f"csc/{k}")) for k in CSC_PARTS}
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Window:
+    """Columns [t0, t1) of a CSC: its entries [base, base + rows.size)."""
+
+    index: int
+    t0: int
+    t1: int
+    base: int
+    rows: np.ndarray
+    values: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.rows.nbytes + self.values.nbytes)
+
+
+class CscWindows:
+    """A committed CSC, column by column, read in windows of `window_steps` columns
+    with the next window prefetched: at most two windows in memory.
+
+    Columns are best asked for in increasing order (as steps take them); any other
+    order is answered too, by reading its window at once.
+
+    Args:
+        stored: the committed CSC.
+        window_steps: columns per window, >= 1.
+        like: the same CSC in memory, when this process computed it: its window crcs
+            are taken from it (its checksums must equal the committed ones) instead of
+            a pass over the store.
+
+    Attributes:
+        resident_bytes: bytes of window arrays held now (current and prefetched).
+        peak_resident_bytes: the most ever held at once.
+        windows_read: windows read from the store so far.
+
+    Raises:
+        ValueError: `window_steps` < 1, or the stored arrays are not in the chunk layout
+            this reader knows (written before chunk shapes were recorded).
+        CorruptVersionError: a chunk or a whole array fails its checksum, or `like` is
+            not the committed CSC.
+    """
+
+    def __init__(
+        self, stored: StoredCSC, window_steps: int, like: CoalescedCSC | None = None
+    ) -> None:
+        if window_steps < 1:
+            raise ValueError(f"csc_window_steps={window_steps}: give 1 or more steps")
+        self.stored = stored
+        self.metas = stored.metas
+        self.window_steps = window_steps
+        self.col_ptr = stored.col_ptr
+        self.steps = stored.steps
+        self.nnz = stored.nnz
+        self.nbytes = stored.nbytes
+        cols = self.steps + 1
+        self.windows = -(-cols // window_steps)
+        bounds = np.minimum(np.arange(self.windows + 1, dtype=np.int64) * window_steps, cols)
+        self._edges = self.col_ptr[bounds]  # entry offset of each window's first column
+        self._arrays = {k: _ArrayReader(stored, k) for k in ("rows", "values")}
+        if like is None:
+            self._crcs = {k: a.verify(self._edges) for k, a in self._arrays.items()}
+        else:
+            self._crcs = {k: self._crcs_of(k, like) for k in self._arrays}
+        self._lock = threading.Lock()
+        self.resident_bytes = 0
+        self.peak_resident_bytes = 0
+        self.windows_read = 0
+        self._current: _Window | None = None
+        self._next: Future[_Window] | None = None
+        self._next_index = -1
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="cocoon-csc")
+
+    def _crcs_of(self, name: str, like: CoalescedCSC) -> list[int]:
+        arr = like.rows if name == "rows" else like.values
+        meta = self.metas[name]
+        if tuple(arr.shape) != meta.shape or array_checksum(arr) != meta.checksum:
+            raise CorruptVersionError(
+                f"version {self.stored.version} of {self.stored.store.url}: the committed "
+                f"CSC {name} of table {self.stored.param} is not the one this job computed",
+                version=self.stored.version,
+                path=meta.path,
+            )
+        flat = arr.reshape(arr.shape[0], math.prod(arr.shape[1:]))
+        return [
+            crc32c.crc32c(
+                np.ascontiguousarray(flat[int(a) : int(z)]).reshape(-1).view(np.uint8).data
+            )
+            for a, z in zip(self._edges[:-1], self._edges[1:], strict=True)
+        ]
+
+    def column(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, values) applied before step t (t = steps: the tails), as the whole CSC
+        gives them."""
+        if not 0 <= t <= self.steps:
+            raise IndexError(f"column {t} of a CSC of {self.steps} steps (0..{self.steps})")
+        w = t // self.window_steps
+        cur = self._current
+        if cur is None or cur.index != w:
+            self._release(cur)
+            self._current = None
+            cur = self._take(w)
+            self._current = cur
+            if w + 1 < self.windows:
+                self._prefetch(w + 1)
+        lo, hi = int(self.col_ptr[t]) - cur.base, int(self.col_ptr[t + 1]) - cur.base
+        return cur.rows[lo:hi], cur.values[lo:hi]
+
+    def _take(self, w: int) -> _Window:
+        fut, self._next = self._next, None
+        if fut is not None:
+            got = fut.result()  # raises a failed read here, in the step that needs it
+            if self._next_index == w:
+                return got
+            self._release(got)
+        return self._read(w)
+
+    def _prefetch(self, w: int) -> None:
+        self._next_index = w
+        self._next = self._pool.submit(self._read, w)
+
+    def _read(self, w: int) -> _Window:
+        lo, hi = int(self._edges[w]), int(self._edges[w + 1])
+        got = {k: a.read(lo, hi, self._crcs[k][w], w) for k, a in self._arrays.items()}
+        t0 = w * self.window_steps
+        win = _Window(w, t0, min(t0 + self.window_steps, self.steps + 1), lo, *got.values())
+        with self._lock:
+            self.resident_bytes += win.nbytes
+            self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
+            self.windows_read += 1
+        return win
+
+    def _release(self, win: _Window | None) -> None:
+        if win is not None:
+            with self._lock:
+                self.resident_bytes -= win.nbytes
+
+    def max_window_bytes(self) -> int:
+        """The bytes of the largest window (rows and values)."""
+        row = self.stored.dim * np.dtype(self.metas["values"].dtype).itemsize + 8
+        return int(np.diff(self._edges).max(initial=0)) * row
+
+    def close(self) -> None:
+        """Stop the prefetch thread and drop the windows."""
+        self._pool.shutdown(wait=True)
+        if self._next is not None and self._next.done() and self._next.exception() is None:
+            self._release(self._next.result())
+        self._next = None
+        self._release(self._current)
+        self._current = None
+
+
+class _ArrayReader:
+    """Element ranges of one stored CSC array (`rows` or `values`), along axis 0, read
+    chunk-file by chunk-file (`state.arrays`'s layout: each chunk the C-order bytes,
+    padded to the full chunk, then their crc32c)."""
+
+    def __init__(self, stored: StoredCSC, name: str) -> None:
+        meta = stored.metas[name]
+        if meta.chunks is None:
+            raise ValueError(
+                f"{stored.store.url}: the CSC {name} of table {stored.param} has no recorded "
+                "chunk shape (a store written before it was recorded); read it whole "
+                "(csc_window_steps=None)"
+            )
+        self.store = stored.store
+        self.version = stored.version
+        self.meta = meta
+        self.name = f"emb/{stored.param}/csc/{name}"
+        self.dtype = np.dtype(meta.dtype)
+        self.shape = meta.shape
+        self.row_bytes = math.prod(meta.shape[1:]) * self.dtype.itemsize
+        self.chunk_rows = int(meta.chunks[0])
+        self.stored_len = self.chunk_rows * self.row_bytes
+        self.chunks = -(-meta.shape[0] // self.chunk_rows) if meta.shape[0] else 0
+        check_confined(self.store, self.version, self.name, meta)
+
+    def _rel(self, i: int) -> str:
+        return f"{self.meta.path}/{chunk_key(i, len(self.shape), self.meta.separator)}"
+
+    def _corrupt(self, what: str) -> CorruptVersionError:
+        return CorruptVersionError(
+            f"version {self.version} of {self.store.url}: array {self.meta.path} {what}; "
+            "it is damaged (resume with --allow-fallback to use an older version)",
+            version=self.version,
+            path=self.meta.path,
+        )
+
+    def verify(self, edges: np.ndarray) -> list[int]:
+        """Check every chunk and the whole array's checksum, one chunk in memory at a
+        time; the crc32c of each window's bytes (`edges`: its first entries)."""
+        wins = np.asarray(edges, dtype=np.int64) * self.row_bytes
+        crcs = [0] * (len(wins) - 1)
+        whole = 0
+        for i in range(self.chunks):
+            data = self.store.retry.call(functools.partial(self._chunk, i))
+            if len(data) != self.stored_len + 4:
+                raise self._corrupt(f"chunk {i} is {len(data)} bytes, not {self.stored_len + 4}")
+            view = memoryview(data)
+            if crc32c.crc32c(view[:-4]) != int.from_bytes(view[-4:], "little"):
+                raise self._corrupt(f"chunk {i} fails its crc32c")
+            lo = i * self.chunk_rows * self.row_bytes
+            size = (min((i + 1) * self.chunk_rows, self.shape[0]) * self.row_bytes) - lo
+            whole = crc32c.crc32c(view[:size], whole)
+            first = max(int(np.searchsorted(wins, lo, side="right")) - 1, 0)
+            for w in range(first, len(crcs)):
+                a, z = max(int(wins[w]), lo), min(int(wins[w + 1]), lo + size)
+                if a >= lo + size:
+                    break
+                if z > a:
+                    crcs[w] = crc32c.crc32c(view[a - lo : z - lo], crcs[w])
+        if f"crc32c:{whole:08x}" != self.meta.checksum:
+            raise self._corrupt(f"fails its checksum (the manifest says {self.meta.checksum})")
+        return crcs
+
+    def _chunk(self, i: int) -> bytes:
+        return self.store.backend.read_bytes(self._rel(i))
+
+    def read(self, lo: int, hi: int, want: int, window: int) -> np.ndarray:
+        """Elements [lo, hi) along axis 0, checked against `want`, their crc32c."""
+        out = np.empty((hi - lo, *self.shape[1:]), dtype=self.dtype)
+        flat = out.reshape(-1).view(np.uint8)
+        at = 0
+        for i in range(lo // self.chunk_rows, -(-hi // self.chunk_rows)) if hi > lo else ():
+            a = max(lo, i * self.chunk_rows) - i * self.chunk_rows
+            z = min(hi, (i + 1) * self.chunk_rows) - i * self.chunk_rows
+            size = (z - a) * self.row_bytes
+            part = self.store.retry.call(functools.partial(self._range, i, a, size))
+            flat[at : at + size] = np.frombuffer(part, dtype=np.uint8)
+            at += size
+        got = crc32c.crc32c(flat.data) if flat.size else 0
+        if got != want:
+            raise self._corrupt(
+                f"window {window} (entries {lo}..{hi}) changed since it was verified"
+            )
+        return out
+
+    def _range(self, i: int, row: int, size: int) -> bytes:
+        """`size` bytes of chunk i's payload from its row `row`."""
+        backend = self.store.backend
+        offset = row * self.row_bytes
+        if not backend.local:
+            data = backend.read_bytes(self._rel(i))
+            return bytes(data[offset : offset + size])
+        path = backend.path(self._rel(i))
+        if not os.path.realpath(path).startswith(os.path.realpath(backend.root) + os.sep):
+            raise self._corrupt(f"chunk {i} resolves outside the store")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not hang
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != self.stored_len + 4:
+                raise self._corrupt(f"chunk {i} is not the file it was")
+            data = os.pread(fd, size, offset)
+        finally:
+            os.close(fd)
+        if len(data) != size:
+            raise self._corrupt(f"chunk {i} is short")
+        return data

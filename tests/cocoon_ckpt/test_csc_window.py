@@ -1,0 +1,225 @@
+"""A committed CSC read from the store in windows of steps (`EmbeddingConfig.
+csc_window_steps`): every column is the whole CSC's, bit for bit, for any window; at
+most two windows are in memory (counted, and traced by tracemalloc); a byte changed in
+the store is caught before it is used; a job trained with windows ends on the same
+model as one holding the whole CSC, through stops and resumes, and where the dense
+mechanism ends (I5)."""
+
+from __future__ import annotations
+
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import state.arrays
+from cocoon_ckpt import BandMF, DPConfig, JobConfig, run_job
+from cocoon_ckpt.embedding import AccessSchedule, CoalescedCSC, precompute_csc, table_noise
+from cocoon_ckpt.embedding.config import EmbeddingConfig, TableMode
+from cocoon_ckpt.embedding.csc_window import CSC_PARTS, CscWindows, StoredCSC
+from cocoon_ckpt.examples.dlrm import zipf_ids
+from cocoon_ckpt.format.stored import model_state
+from cocoon_ckpt.layout import emb_name
+from cocoon_ckpt.train.options import JobOptions
+from state import CorruptVersionError, Store
+
+KEY = bytes(range(32))
+ROWS, STEPS, DIM = 400, 80, 4
+PARAM = "emb.weight"
+
+
+def _csc(rows: int = ROWS, steps: int = STEPS, dim: int = DIM, reads: int = 24) -> CoalescedCSC:
+    rng = np.random.default_rng(5)
+    sched = AccessSchedule.from_step_rows(
+        rows, [zipf_ids(rows, reads, 1.1, rng) for _ in range(steps)]
+    )
+    noise = table_noise(KEY, PARAM, rows, dim, 0.7, torch.float32)
+    return precompute_csc(
+        sched, sched.noise_order(), 3, dim, BandMF.banded_sqrt(4, steps), noise,
+        np.full(steps, 0.02), tile_rows=256, threads=1,
+    )  # fmt: skip
+
+
+def _commit(root: Path, csc: CoalescedCSC) -> StoredCSC:
+    """`csc` as a job's first version holds it: shared arrays, referenced."""
+    store = Store.open(str(root))
+    store.acquire_lease()
+    txn = store.begin(1)
+    for k, arr in csc.arrays().items():
+        txn.reference(emb_name(PARAM, f"csc/{k}"), store.put_shared(f"t/{k}", arr))
+    txn.commit()
+    version = store.latest()
+    assert version is not None
+    return StoredCSC.of_version(version, PARAM)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of 1 KiB: every window crosses chunk files, and windows start mid-chunk."""
+    monkeypatch.setattr(state.arrays, "CHUNK_BYTES", 1 << 10)
+
+
+def _columns(src: CoalescedCSC | CscWindows, order: list[int]) -> list[tuple[bytes, bytes]]:
+    out = []
+    for t in order:
+        rows, vals = src.column(t)
+        out.append((rows.tobytes(), vals.tobytes()))
+    return out
+
+
+@pytest.mark.usefixtures("small_chunks")
+@pytest.mark.parametrize("window", [1, 4, 7, STEPS + 1, 1000])
+@pytest.mark.parametrize("like", [False, True])
+def test_every_column_is_the_whole_cscs(tmp_path: Path, window: int, like: bool) -> None:
+    csc = _csc()
+    stored = _commit(tmp_path / "s.zarr", csc)
+    assert state.arrays.CHUNK_BYTES == 1 << 10 and stored.metas["values"].chunks != (csc.nnz, DIM)
+    windows = CscWindows(stored, window, like=csc if like else None)
+    try:
+        steps = list(range(STEPS + 1))
+        assert _columns(windows, steps) == _columns(csc, steps)
+        assert windows.windows_read == -(-(STEPS + 1) // window)  # each read once, in order
+        # out of order (a resume mid-window, a re-read) is answered too
+        jumbled = [17, 3, 3, STEPS, 0, 29, 18, STEPS - 1]
+        assert _columns(windows, jumbled) == _columns(csc, jumbled)
+        assert windows.nnz == csc.nnz and windows.nbytes == csc.nbytes
+        assert windows.peak_resident_bytes <= 2 * windows.max_window_bytes()
+    finally:
+        windows.close()
+    assert windows.resident_bytes == 0
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_the_resident_csc_stays_bounded(tmp_path: Path) -> None:
+    """Two windows at most, by the reader's own count and by tracemalloc (numpy reports
+    its buffers to it) over a whole pass of the steps, the open's verification pass
+    included: a fraction of the CSC, which is never held whole."""
+    steps = 400
+    csc = _csc(rows=1000, steps=steps, dim=16, reads=64)
+    stored = _commit(tmp_path / "s.zarr", csc)
+    total = csc.rows.nbytes + csc.values.nbytes
+    del csc
+    tracemalloc.start()
+    try:
+        windows = CscWindows(stored, 4)
+        for t in range(steps + 1):
+            rows, vals = windows.column(t)
+            assert rows.size == vals.shape[0]
+        del rows, vals
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # the largest window is the tails' (a column of every cold row)
+    bound = 2 * windows.max_window_bytes()
+    assert windows.peak_resident_bytes <= bound < total / 5
+    # besides the windows: a chunk or two in flight, the column pointer, the window
+    # crcs and the prefetch thread's own objects
+    assert peak < total / 4, (peak, bound, total)
+    windows.close()
+
+
+def test_a_byte_changed_in_the_store_is_caught_before_use(tmp_path: Path) -> None:
+    csc = _csc()
+    root = tmp_path / "s.zarr"
+    stored = _commit(root, csc)
+    chunk = next(p for p in (root / stored.metas["values"].path).rglob("c*") if p.is_file())
+    good = chunk.read_bytes()
+    # after the open: the window holding it fails its crc, in the step that needs it
+    windows = CscWindows(stored, 5)
+    windows.column(0)
+    data = bytearray(good)
+    data[-5] ^= 1  # the last value: the tails' window, read after the change
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(CorruptVersionError, match="changed since it was verified"):
+        for t in range(1, STEPS + 1):
+            windows.column(t)
+    windows.close()
+    # before the open: the chunk's crc32c
+    with pytest.raises(CorruptVersionError, match="crc32c"):
+        CscWindows(stored, 5)
+    # a chunk re-stamped with a right crc32c still fails the manifest's checksum
+    import crc32c
+
+    body = bytes(data[:-4])
+    chunk.write_bytes(body + crc32c.crc32c(body).to_bytes(4, "little"))
+    with pytest.raises(CorruptVersionError, match="fails its checksum"):
+        CscWindows(stored, 5)
+    # and a CSC in memory that is not the committed one is refused as its reference
+    chunk.write_bytes(good)
+    other = CoalescedCSC(csc.col_ptr, csc.rows, csc.values + np.float32(1))
+    with pytest.raises(CorruptVersionError, match="not the one this job computed"):
+        CscWindows(stored, 5, like=other)
+
+
+def test_refusals_name_the_field() -> None:
+    with pytest.raises(ValueError, match="csc_window_steps=0"):
+        EmbeddingConfig(mode="coalesced", threat_model="final_model", csc_window_steps=0)
+
+
+# -- whole jobs ------------------------------------------------------------------------
+
+
+def _config(window: int | None, mode: str = "coalesced", steps: int = 14) -> JobConfig:
+    return JobConfig(
+        job="example:dlrm",
+        dp=DPConfig(steps=steps, batch_size=12, dataset_size=360, noise_multiplier=1.0, bands=4),
+        options={"tables": [90, 40, 7], "dim": 3, "dense": 4, "dtype": "float64"},
+        checkpoint_every=4,
+        async_checkpoint=False,
+        lr=0.5,
+        embedding=EmbeddingConfig(
+            mode=TableMode(mode),
+            threat_model="final_model",
+            hot_threshold=2,
+            csc_window_steps=window,
+        ),
+    )
+
+
+def _model(store: Path) -> dict[str, torch.Tensor]:
+    version = Store.open(str(store), create=False).latest()
+    assert version is not None
+    return model_state(version)
+
+
+def test_windowed_jobs_end_on_the_whole_cscs_model(tmp_path: Path) -> None:
+    """A small DLRM job (float64, b = 4, 14 steps): windows of 1, 3 and more steps than
+    the run give the whole-CSC model bit for bit, through stops and resumes that change
+    the window (it is not fingerprinted), and the steps after the first version read
+    the CSC from the store; and the final tables are the dense mechanism's (I5)."""
+    opts = JobOptions(key_file=str(tmp_path / "k"))
+    run_job(_config(None), str(tmp_path / "whole"), options=opts)
+    want = _model(tmp_path / "whole")
+    read: dict[int, int] = {}
+
+    def count(window: int):  # type: ignore[no-untyped-def]
+        def on_step(_: object, trainer: object) -> None:
+            emb = trainer.embedding  # type: ignore[attr-defined]
+            got = [e.csc for e in emb.engines if isinstance(e.csc, CscWindows)]
+            read[window] = max(read.get(window, 0), sum(w.windows_read for w in got))
+
+        return on_step
+
+    for window in (1, 3, 100):
+        store = str(tmp_path / f"w{window}")
+        run_job(_config(window), store, options=opts, on_step=count(window), stop_after=6)
+        run_job(_config(None), store, options=opts, stop_after=9)  # whole, in between
+        run_job(_config(window), store, options=opts, on_step=count(window))
+        got = _model(Path(store))
+        assert want.keys() == got.keys()
+        assert all(torch.equal(want[k], got[k]) for k in want), window
+    assert read[1] > read[3] > 0 and read[100] >= 1
+    run_job(_config(None, mode="dense"), str(tmp_path / "dense"), options=opts)
+    dense = _model(tmp_path / "dense")
+    for k in dense:
+        torch.testing.assert_close(want[k], dense[k], rtol=1e-12, atol=1e-12, msg=k)
+    # every version references the one committed CSC
+    store = Store.open(str(tmp_path / "w3"), create=False)
+    paths = {
+        store.manifest(v).arrays[emb_name("tables.0.weight", f"csc/{k}")].path
+        for v in store.versions()
+        for k in CSC_PARTS
+    }
+    assert len(paths) == len(CSC_PARTS)
