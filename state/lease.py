@@ -53,7 +53,7 @@ __all__ = [
     "current_holder",
 ]
 
-log = logging.getLogger("state.lease")
+log = logging.getLogger(__name__)
 
 #: Seconds a writer's lease lives without renewal (it renews every third of this).
 DEFAULT_LEASE_EXPIRY_S = 60.0

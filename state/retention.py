@@ -53,7 +53,7 @@ __all__ = [
     "verified_manifests",
 ]
 
-log = logging.getLogger("state.store")
+log = logging.getLogger(__name__)
 
 #: Fires before each deletion: a manifest not kept (`what="manifest"`), then a version
 #: folder holding no referenced array (`"folder"`) or an unreferenced array, or a group

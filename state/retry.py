@@ -17,7 +17,7 @@ from tenacity import (
 
 __all__ = ["RetryPolicy", "is_transient"]
 
-log = logging.getLogger("state.retry")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _TRANSIENT_ERRNOS = {

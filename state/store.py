@@ -54,7 +54,7 @@ from .version import Version
 
 __all__ = ["Store"]
 
-log = logging.getLogger("state.store")
+log = logging.getLogger(__name__)
 
 
 class Store:

@@ -47,7 +47,7 @@ from state.paths import SHARED, shared_path
 
 __all__ = ["PRECOMPUTE", "TILE_KEPT", "StoredTiles", "TileWriter", "drop_tile_parts", "tile_digest"]
 
-log = logging.getLogger("cocoon_ckpt.embedding.precompute")
+log = logging.getLogger(__name__)
 
 #: Under shared/: every table's precompute parts.
 PRECOMPUTE = "precompute"

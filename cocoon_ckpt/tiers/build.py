@@ -21,7 +21,7 @@ from cocoon_ckpt.tiers.planner import Plan, capacity_units, plan_units, profile_
 
 __all__ = ["build_history", "free_host_bytes"]
 
-log = logging.getLogger("cocoon_ckpt.tiers")
+log = logging.getLogger(__name__)
 
 
 def free_host_bytes() -> int:

@@ -42,7 +42,7 @@ from state.process import owner_alive, process_start, this_host
 
 __all__ = ["FarTier", "sweep_dead_owners"]
 
-log = logging.getLogger("cocoon_ckpt.tiers.far")
+log = logging.getLogger(__name__)
 
 
 class _WorkerDied(Exception):

@@ -40,7 +40,7 @@ from state.threads import submit_or_run
 
 __all__ = ["Checkpointer", "Snapshot", "take_snapshot"]
 
-log = logging.getLogger("cocoon_ckpt.train.checkpoint")
+log = logging.getLogger(__name__)
 
 ASYNC_FLUSH = hooks.declare(
     "checkpoint.async_flush", "in the background writer, before it starts a version"

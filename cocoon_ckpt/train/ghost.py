@@ -60,7 +60,7 @@ from cocoon_ckpt.train.grads import (
 
 __all__ = ["GhostGrads", "linear_norm_mode"]
 
-log = logging.getLogger("cocoon_ckpt.train.ghost")
+log = logging.getLogger(__name__)
 
 _FIX = "use --clipping vmap (DPConfig.clipping='vmap')"
 

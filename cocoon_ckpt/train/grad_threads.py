@@ -23,7 +23,7 @@ from cocoon_ckpt.errors import ConfigMismatchError
 
 __all__ = ["resolve_grad_threads", "resumed_grad_threads"]
 
-log = logging.getLogger("cocoon_ckpt.train.grad_threads")
+log = logging.getLogger(__name__)
 
 
 def resolve_grad_threads(requested: int | None) -> int:

@@ -44,7 +44,7 @@ from cocoon_ckpt.train.tape import MergeError, Recorder, Ref, Size, Tape, merge
 
 __all__ = ["ChunkFn", "TracedChunk", "compile_tape"]
 
-log = logging.getLogger("cocoon_ckpt.train.grads")
+log = logging.getLogger(__name__)
 
 #: flat inputs (parameters, buffers, chunk tensors) -> (clipped sum (dim,), losses (n,),
 #: per-sample gradient norms (n,))

@@ -144,7 +144,7 @@ def test_damaged_or_foreign_tiles_are_computed_again(
     marker.write_bytes(marker.read_bytes().replace(b'"entries": ', b'"entries": 1'))
     # tile 7: tile 6's whole marker under tile 7's name (right digest, wrong tile)
     (folder / "tile-000007.done").write_bytes((folder / "tile-000006.done").read_bytes())
-    caplog.set_level(logging.WARNING, "cocoon_ckpt.embedding.precompute")
+    caplog.set_level(logging.WARNING, "cocoon_ckpt.embedding.stored_tiles")
     again = StoredTiles(store, "emb.weight", "d" * 32, mac_key=TILE_KEY)
     _same(_csc(again), whole)
     assert (again.loaded, again.computed) == (9, 3)

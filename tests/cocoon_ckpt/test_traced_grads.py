@@ -233,7 +233,7 @@ def test_what_cannot_be_replayed_runs_eagerly_with_a_logged_reason(
 ) -> None:
     eager, traced = _pair(model)
     g = torch.Generator().manual_seed(0)
-    with caplog.at_level(logging.INFO, logger="cocoon_ckpt.train.grads"):
+    with caplog.at_level(logging.INFO, logger="cocoon_ckpt.train.traced_grads"):
         for n in (5, 7, 5, 9):
             batch = [torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)]
             torch.manual_seed(n)
@@ -285,7 +285,7 @@ def test_a_replay_that_disagrees_is_retired_with_a_warning(
     real = fn._replay
     assert real is not None
     fn._replay = lambda *a: (real(*a)[0] * 2, real(*a)[1])
-    with caplog.at_level(logging.WARNING, logger="cocoon_ckpt.train.grads"):
+    with caplog.at_level(logging.WARNING, logger="cocoon_ckpt.train.traced_grads"):
         b = batch(5)
         got, want = traced.clipped_sum(b, 0.5), eager.clipped_sum(b, 0.5)
     assert _same(got.summed, want.summed)  # the eager result, not the replay's
@@ -326,7 +326,7 @@ def test_a_size_whose_ops_differ_runs_eagerly(caplog: pytest.LogCaptureFixture) 
 
     fn = TracedChunk(chunk_fn)
     w = torch.randn(4)
-    with caplog.at_level(logging.INFO, logger="cocoon_ckpt.train.grads"):
+    with caplog.at_level(logging.INFO, logger="cocoon_ckpt.train.traced_grads"):
         for n in (4, 6, 3, 5, 3, 5, 4):
             x = torch.randn(n, 4)
             got, want = fn(w, x), chunk_fn(w, x)
