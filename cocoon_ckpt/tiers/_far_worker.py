@@ -1,11 +1,13 @@
 """The far-memory worker process: near-memory compute for the emulated CXL tier.
 
-Run as `python -m cocoon_ckpt.tiers._far_worker`. It maps the tier's history file
+Run as `python -m cocoon_ckpt.tiers._far_worker`. It opens the tier's history file
 read-only, receives only commands on stdin (the mixing vector itself lies in a shared
-memory file), computes the GEMV next to its data with the fixed-order kernel, writes
-the partial result into the shared output file, models the link by holding the reply
-until (mix + result bytes) / bandwidth has passed, and answers one JSON line. It imports
-numpy and `cocoon_ckpt.dp.gemv` only. EOF on stdin (its owner died) ends it.
+memory file), computes the GEMV next to its data with the fixed-order kernel, streaming
+the file in column chunks (`far_io.stream_gemv`: its resident memory stays two chunks,
+whatever the shard's size), writes the partial result into the shared output file,
+models the link by holding the reply until (mix + result bytes) / bandwidth has passed,
+and answers one JSON line. It imports numpy and `cocoon_ckpt.dp.gemv` only. EOF on
+stdin (its owner died) ends it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from cocoon_ckpt.dp.gemv import mix_history
+from cocoon_ckpt.tiers.far_io import private_file, stream_gemv, write_at
 
 
 def _link_wait(start: float, nbytes: int, bandwidth: float | None) -> float:
@@ -33,7 +35,8 @@ def _link_wait(start: float, nbytes: int, bandwidth: float | None) -> float:
 
 
 def main() -> None:
-    ring: Any = None
+    ring: int | None = None
+    shape = (0, 0)
     mix: Any = None
     out: Any = None
     bandwidth: float | None = None
@@ -44,35 +47,45 @@ def main() -> None:
         if op == "open":
             dt = np.dtype(cmd["dtype"])
             shape = (int(cmd["slots"]), int(cmd["width"]))
-            ring = np.memmap(cmd["path"], dtype=dt, mode="r", shape=shape)
+            if ring is not None:
+                os.close(ring)
+            ring = os.open(cmd["path"], os.O_RDONLY)
             mix = np.memmap(cmd["mix_path"], dtype=dt, mode="r", shape=(shape[0],))
             out = np.memmap(cmd["out_path"], dtype=dt, mode="r+", shape=(shape[1],))
             bandwidth = cmd.get("link_bytes_per_s")
             res: dict[str, Any] = {"ok": True, "pid": os.getpid()}
         elif op == "gemv":
-            t0 = time.perf_counter()
-            if cmd.get("pre_delay_s"):
-                time.sleep(float(cmd["pre_delay_s"]))  # fault tests: die mid-GEMV
-            mix_history(np.array(mix), ring, out)
-            compute = time.perf_counter() - t0
-            link = _link_wait(time.perf_counter(), mix.nbytes + out.nbytes, bandwidth)
-            res = {"ok": True, "seq": cmd["seq"], "compute_s": compute, "link_s": link}
+            if ring is None:
+                res = {"ok": False, "error": "gemv before open"}
+            else:
+                t0 = time.perf_counter()
+                if cmd.get("pre_delay_s"):
+                    time.sleep(float(cmd["pre_delay_s"]))  # fault tests: die mid-GEMV
+                stream_gemv(ring, np.array(mix), shape[0], shape[1], out)
+                compute = time.perf_counter() - t0
+                link = _link_wait(time.perf_counter(), mix.nbytes + out.nbytes, bandwidth)
+                res = {"ok": True, "seq": cmd["seq"], "compute_s": compute, "link_s": link}
         elif op == "profile":
             dt = np.dtype(cmd["dtype"])
             slots, width = int(cmd["slots"]), int(cmd["width"])
-            scratch = np.memmap(cmd["path"], dtype=dt, mode="w+", shape=(slots, width))
-            scratch[...] = np.random.default_rng(0).standard_normal((slots, width))
-            m = np.ones(slots, dtype=dt)
-            o = np.empty(width, dtype=dt)
-            mix_history(m, scratch, o)  # warm
-            times = []
-            for _ in range(int(cmd["reps"])):
-                t0 = time.perf_counter()
-                mix_history(m, scratch, o)
-                _link_wait(time.perf_counter(), m.nbytes + o.nbytes, cmd.get("link_bytes_per_s"))
-                times.append(time.perf_counter() - t0)
-            del scratch
-            os.unlink(cmd["path"])
+            fd = private_file(cmd["path"], slots * width * dt.itemsize)
+            try:
+                rows = np.random.default_rng(0).standard_normal((slots, width)).astype(dt)
+                write_at(fd, rows, 0)
+                m = np.ones(slots, dtype=dt)
+                o = np.empty(width, dtype=dt)
+                stream_gemv(fd, m, slots, width, o)  # warm
+                times = []
+                for _ in range(int(cmd["reps"])):
+                    t0 = time.perf_counter()
+                    stream_gemv(fd, m, slots, width, o)
+                    _link_wait(
+                        time.perf_counter(), m.nbytes + o.nbytes, cmd.get("link_bytes_per_s")
+                    )
+                    times.append(time.perf_counter() - t0)
+            finally:
+                os.close(fd)
+                os.unlink(cmd["path"])
             res = {"ok": True, "times": times}
         elif op == "exit":
             return

@@ -1,12 +1,18 @@
 """The far tier: emulated CXL memory with near-memory compute (Cocoon's NMP).
 
-The shard lives in a file-backed memory map (its folder configurable: tmpfs for
-memory, a disk for capacity), created owner-only because the history is secret (I6).
-The training process writes new slots into it directly, as a CPU writes CXL.mem; a
-worker process that maps the same file computes the GEMV next to the data and returns
-only the partial result, through a shared-memory file. An optional link throttle
-(bytes/s) models the slow interconnect for everything that crosses it: slot writes,
-reads, a baseline's pull of the whole shard, and the worker's mix-in / result-out.
+The shard lives in a file (its folder configurable: tmpfs for memory, a local disk for
+capacity beyond RAM), created owner-only because the history is secret (I6). The
+training process writes new slots into it directly (`pwrite`), as a CPU writes CXL.mem;
+a worker process that reads the same file computes the GEMV next to the data and returns
+only the partial result, through a shared-memory file. Nobody maps the shard: every
+access is a positioned read or write of a bounded buffer (`far_io`), so neither process's
+resident memory grows with the shard (a mapped file's touched pages count in RSS; a
+10 GB ring on disk would have shown up as 10 GB of both processes). An optional link
+throttle (bytes/s) models the slow interconnect for everything that crosses it: slot
+writes, reads, a baseline's pull of the whole shard, and the worker's mix-in / result-out.
+
+The file is scratch, not the checkpoint: a version stores the ring's slots in the store,
+and a resume writes them back into a new far file.
 
 A worker that dies mid-GEMV is replaced and the GEMV recomputed (the history is in the
 file, untouched by a GEMV); past `max_respawns` replacements it is a `TierError`. The
@@ -38,6 +44,13 @@ from typing import IO, Any
 import numpy as np
 
 from cocoon_ckpt.tiers.base import Tier, TierError, TierKind
+from cocoon_ckpt.tiers.far_io import (
+    private_file,
+    private_memmap,
+    read_at,
+    read_columns,
+    write_at,
+)
 from state.process import owner_alive, process_start, this_host
 
 __all__ = ["FarTier", "sweep_dead_owners"]
@@ -146,7 +159,7 @@ class FarTier(Tier):
         self._shm = tempfile.mkdtemp(prefix=f"cocoon-far-io-{tag}-", dir=shm)
         os.chmod(self._shm, 0o700)
         self._proc: subprocess.Popen[bytes] | None = None
-        self._map: Any = None
+        self._fd: int | None = None
         self._mix: Any = None
         self._out: Any = None
         self._seq = 0
@@ -227,7 +240,7 @@ class FarTier(Tier):
             try:
                 if self._proc is None:
                     self._start_worker()
-                    if self._map is not None and cmd["op"] != "open":
+                    if self._fd is not None and cmd["op"] != "open":
                         self._call(self._open_cmd())
                 return self._call(cmd)
             except _WorkerDied:
@@ -260,28 +273,34 @@ class FarTier(Tier):
 
     # -- Tier ----------------------------------------------------------------------
     def _allocate(self) -> None:
-        shape = (self.slots, self.width)
         if not self.width or not self.slots:
             return
-        self._map = private_memmap(os.path.join(self._dir, "history"), self.dtype, shape)
+        self._fd = private_file(os.path.join(self._dir, "history"), self.nbytes)
         self._mix = private_memmap(os.path.join(self._shm, "mix"), self.dtype, (self.slots,))
         self._out = private_memmap(os.path.join(self._shm, "out"), self.dtype, (self.width,))
         self._with_worker(self._open_cmd())
 
+    def _shard_fd(self) -> int:
+        if self._fd is None:
+            raise TierError("far tier holds no shard file")
+        return self._fd
+
     def _write_slot(self, slot: int, values: np.ndarray) -> None:
         t0 = time.perf_counter()
-        self._map[slot] = values
+        write_at(self._shard_fd(), values, slot * self.width * self.dtype.itemsize)
         self._link_wait(t0, values.nbytes)
 
     def _read_slot(self, slot: int) -> np.ndarray:
         t0 = time.perf_counter()
-        out = np.array(self._map[slot])
+        out = np.empty(self.width, dtype=self.dtype)
+        read_at(self._shard_fd(), out, slot * self.width * self.dtype.itemsize)
         self._link_wait(t0, out.nbytes)
         return out
 
     def _pull(self, lo: int, hi: int) -> np.ndarray:
         t0 = time.perf_counter()
-        out = np.array(self._map[:, lo:hi])
+        out = np.empty((self.slots, hi - lo), dtype=self.dtype)
+        read_columns(self._shard_fd(), out, self.width, lo)
         self._link_wait(t0, out.nbytes)
         return out
 
@@ -312,20 +331,9 @@ class FarTier(Tier):
 
     def _close(self) -> None:
         self._stop_worker()
-        self._map = self._mix = self._out = None
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+        self._mix = self._out = None
         shutil.rmtree(self._dir, ignore_errors=True)
         shutil.rmtree(self._shm, ignore_errors=True)
-
-
-def private_memmap(path: str, dtype: Any, shape: tuple[int, ...]) -> Any:
-    """A new zero-filled file `path` mapped as an array, created 0600 whatever the umask
-    (np.memmap's "w+" creates it 0666 & ~umask: under umask 000 the history was
-    readable by everyone for as long as the folder's mode was all that stood between)."""
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.ftruncate(fd, nbytes)
-    finally:
-        os.close(fd)
-    return np.memmap(path, dtype=dtype, mode="r+", shape=shape)

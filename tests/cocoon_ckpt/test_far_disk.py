@@ -1,0 +1,207 @@
+"""A ring larger than host memory: the far tier backed by a file on local disk (#31).
+
+The far shard is streamed, never mapped: the GEMV in column chunks equals the kernel over
+the whole shard bit for bit, and neither the trainer nor the far worker holds the shard
+in its resident memory. A host budget sends the rest of the ring to the far file with
+the same noise bits as all on the host; a job on it resumes bit-exact after real
+SIGKILLs, and the folders a killed owner leaves are swept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cocoon_ckpt import BandMF, BandMFNoise
+from cocoon_ckpt._cli.main import main
+from cocoon_ckpt.dp.gemv import mix_history
+from cocoon_ckpt.tiers import FarTier, TierConfig, TieredHistory, build_history
+from cocoon_ckpt.tiers.far_io import private_file, stream_gemv, write_at
+from state import Store
+
+U = 1 << 16  # one noise block: the smallest allocation unit
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    slots=st.integers(0, 9),
+    width=st.integers(1, 3000),
+    chunk=st.integers(1, 5000),
+    dtype=st.sampled_from(["float32", "float64"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_streamed_gemv_is_the_kernel_over_the_whole_shard(
+    tmp_path_factory: pytest.TempPathFactory,
+    slots: int,
+    width: int,
+    chunk: int,
+    dtype: str,
+    seed: int,
+) -> None:
+    rng = np.random.default_rng(seed)
+    ring = rng.standard_normal((slots, width)).astype(dtype)
+    mix = rng.standard_normal(slots)
+    path = tmp_path_factory.mktemp("stream") / "shard"
+    fd = private_file(str(path), ring.nbytes)
+    try:
+        write_at(fd, ring, 0)
+        out = np.full(width, np.nan, dtype=dtype)
+        stream_gemv(fd, mix, slots, width, out, chunk_bytes=chunk)
+    finally:
+        os.close(fd)
+    assert np.array_equal(out, mix_history(mix, ring))
+
+
+def _rss_kib(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def test_neither_process_holds_the_far_shard_in_its_resident_memory(tmp_path: Path) -> None:
+    """16 slots of 4M coordinates (256 MiB) on disk: writing every slot, reading one back
+    and two GEMVs leave both the trainer's and the far worker's resident memory within
+    a quarter of the shard (a mapped shard grows both by all of it)."""
+    slots, width = 16, 64 * U
+    far = FarTier(1 << 30, folder=str(tmp_path))
+    h = TieredHistory(slots, width, "float32", [far], {"far": 64}, U)
+    try:
+        shard = slots * width * 4
+        mix = np.random.default_rng(0).standard_normal(slots)
+        h.gemv(mix)  # the worker's buffers and compiled kernel, over a file of holes
+        pid = far.worker_pid
+        assert pid is not None
+        own, worker = _rss_kib(), _rss_kib(pid)
+        row = np.empty(width, dtype=np.float32)
+        for s in range(slots):
+            row[...] = s + 1
+            h.write(s, row)
+        assert np.array_equal(h.read(slots - 1), row)
+        got = h.gemv(mix)
+        got = h.gemv(mix)
+        assert far.worker_pid == pid  # the same worker: its growth is measured
+        assert got[0] == np.float32(mix_history(mix, np.arange(1, slots + 1.0)[:, None]))[0]
+        grown_own = (_rss_kib() - own) * 1024
+        grown_worker = (_rss_kib(pid) - worker) * 1024
+        assert grown_own < shard / 4, (grown_own, shard)
+        assert grown_worker < shard / 4, (grown_worker, shard)
+        assert (tmp_path / os.listdir(tmp_path)[0] / "history").stat().st_size == shard
+    finally:
+        h.close()
+    assert not os.listdir(tmp_path)
+
+
+def test_host_budget_puts_the_rest_on_the_far_file_with_the_same_noise(tmp_path: Path) -> None:
+    """A host budget of one unit: the planner places the other units in the far file
+    on disk, and w_t is bit for bit the all-on-host ring's (whole keyed blocks per
+    tier, I1; the fixed-order GEMV, I2)."""
+    mech = BandMF.banded_sqrt(6, 40)
+    dim, slots = 3 * U + 777, 5
+    cfg = TierConfig(host_bytes=slots * U * 4, far_bytes=None, far_dir=str(tmp_path))
+    history = build_history(slots, dim, "float32", cfg)
+    key = bytes(range(32))
+    ref = BandMFNoise(mech, dim, key, 1.3)
+    tiered = BandMFNoise(mech, dim, key, 1.3, history=history)
+    try:
+        placed = {p["tier"]: (p["start"], p["stop"]) for p in history.placement()}
+        assert set(placed) <= {"host", "far"} and "far" in placed
+        assert placed.get("host", (0, 0))[1] - placed.get("host", (0, 0))[0] <= U
+        assert [p.name for p in tmp_path.iterdir()][0].startswith("cocoon-far-")
+        for _ in range(12):
+            assert torch.equal(ref.step(), tiered.step())
+        assert np.array_equal(history.gather(), ref.ring.numpy())
+    finally:
+        tiered.close()
+    assert not list(tmp_path.iterdir())
+
+
+# -- a job on the far file, SIGKILLed and resumed ----------------------------------------
+
+HIDDEN = 8192  # mlp of 20 -> 8192 -> 4: 204,804 parameters, four noise blocks
+
+
+def _train(store: Path, key: Path, tiers: dict[str, Any] | None) -> list[str]:
+    extra = ["--tiers", json.dumps(tiers)] if tiers is not None else []
+    return [
+        *("train", "--example", "mlp", "--job-option", f"hidden={HIDDEN}"),
+        *("--store", str(store), "--key-file", str(key), "--steps", "24"),
+        *("--checkpoint-every", "4", "--bands", "8", "--batch-size", "16"),
+        *("--dataset-size", "512", "--no-progress", *extra),
+    ]
+
+
+def _ring_rows(store: Path) -> dict[int, np.ndarray]:
+    """The newest version's ring: each slot's stored row by the step it holds."""
+    v = Store.open(str(store), create=False).latest()
+    assert v is not None
+    rows: dict[int, list[tuple[int, np.ndarray]]] = {}
+    for shard in v.records["noise"]["shards"]:
+        for _slot, step, array, row, _crc in shard["slots"]:
+            rows.setdefault(step, []).append((shard["start"], v.array(array)[row]))
+    return {step: np.concatenate([r for _, r in sorted(parts)]) for step, parts in rows.items()}
+
+
+def _export(store: Path, key: Path, out: Path) -> dict[str, torch.Tensor]:
+    assert main(["export", str(store), "--out", str(out), "--key-file", str(key)]) == 0
+    return torch.load(out)  # type: ignore[no-any-return]
+
+
+def _manifests(store: Path) -> set[str]:
+    folder = store / "manifests"
+    return {p.name for p in folder.glob("*.json")} if folder.exists() else set()
+
+
+@pytest.mark.slow
+def test_job_on_a_far_file_resumes_bit_exact_after_sigkill(tmp_path: Path) -> None:
+    key = tmp_path / "noise.key"  # made by the first run, shared by every run
+    gold = tmp_path / "gold.zarr"  # uninterrupted, the ring all on the host
+    assert main(_train(gold, key, None)) == 0
+    far_dir = tmp_path / "far"
+    far_dir.mkdir()
+    # a host budget of one unit of the 7-slot ring: the other three in the far file
+    tiers = {"host_bytes": 7 * U * 4, "far_bytes": None, "far_dir": str(far_dir)}
+    store = tmp_path / "run.zarr"
+    cmd = [sys.executable, "-m", "cocoon_ckpt", *_train(store, key, tiers)]
+    # 1. killed inside step 13, after the far worker's GEMV, before the ring is written
+    env = {**os.environ, "COCOON_CRASH_AT": "noise.after_gemv:step=13"}
+    first = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert first.returncode == -signal.SIGKILL, first.stderr
+    left = [p.name for p in far_dir.iterdir()]
+    assert left and all(n.startswith("cocoon-far-") for n in left)  # what SIGKILL leaves
+    # 2. resumed (the far file rebuilt from the store), killed by a real SIGKILL from
+    # outside once it has committed a version of its own
+    seen = _manifests(store)
+    err = tmp_path / "second.err"
+    with err.open("wb") as f:
+        second = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f)
+    while not _manifests(store) - seen and second.poll() is None:
+        time.sleep(0.01)
+    if second.poll() is None:
+        second.send_signal(signal.SIGKILL)
+    assert second.wait() in (-signal.SIGKILL, 0), err.read_text()
+    # 3. to the end
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert not list(far_dir.iterdir())  # dead owners' folders swept, its own removed
+    latest = Store.open(str(store), create=False).latest()
+    assert latest is not None and latest.step == 24
+    assert "far" in {p["tier"] for p in latest.records["noise"]["placement"]}
+    want, got = _ring_rows(gold), _ring_rows(store)
+    assert sorted(want) == sorted(got)
+    assert all(np.array_equal(want[s], got[s]) for s in want)  # the noise, bit for bit
+    a, b = _export(gold, key, tmp_path / "a.pt"), _export(store, key, tmp_path / "b.pt")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
