@@ -33,7 +33,9 @@ def _after_gemv(t: int) -> None:
 
 
 class BandMFNoise:
-    """w_t = C^-1 z for one coordinate range [start, stop), one step at a time.
+    """BandMF's w_t = C^-1 z for one coordinate range [start, stop), one step at a time:
+    a `NoiseMechanism` whose rows are the ring of the last b-1 outputs (slot t mod
+    (b-1) holds w_t, kept until step t + b - 1 overwrites it).
 
     State passed in and out explicitly: `state_dict()` holds the next step, the ring
     layout and (as arrays) the ring slots. `materialize(n)` gives the dense reference.
@@ -50,6 +52,9 @@ class BandMFNoise:
             over device, host and far memory); a `HostRing` by default.
         rng: the fresh noise's generator (`NoiseRng`).
     """
+
+    persistent_rows = True
+    """A ring slot keeps w_t until step t + b - 1 writes it again."""
 
     def __init__(
         self,
@@ -89,6 +94,15 @@ class BandMFNoise:
     def ring(self) -> torch.Tensor:
         """A copy of the ring, (b-1, width), gathered from the tiers."""
         return torch.from_numpy(self.history.gather())
+
+    @property
+    def state_rows(self) -> RingHistory:
+        """The ring, (b-1, width), where the tiers hold it."""
+        return self.history
+
+    def row_steps(self) -> list[int | None]:
+        """The step whose w each ring slot holds (None: not written yet)."""
+        return list(self.slot_steps)
 
     def history_bytes(self) -> int:
         return self.history.nbytes
@@ -135,8 +149,9 @@ class BandMFNoise:
             "start": self.start,
             "stop": self.stop,
             "dtype": str(self.dtype).removeprefix("torch."),
-            "slot_steps": list(self.slot_steps),
+            "slot_steps": self.row_steps(),
             "ring": self.history,
+            "persistent_rows": self.persistent_rows,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -116,14 +116,16 @@ def encode(state: TrainerState, parent: Manifest | None, *, shard_only: bool = F
     snap = Snapshot(step=state["step"])
     noise, layout = state["noise"], state["noise_layout"]
     rank = layout["rank"] or 0
-    # a BLT rewrites every buffer each step: nothing of the parent's can be borrowed
-    blt = noise["kind"] == "BLTNoise"
+    # rows every step rewrites (a BLT's buffers): nothing of the parent's can be borrowed
+    persistent = noise["persistent_rows"]
     slots = encode_slots(
         noise["ring"],
         noise["slot_steps"],
         lambda first, last: ring_rows_name(rank, first, last),
         parent,
-        {} if blt else borrowable(parent, _parent_shard(parent, noise["start"], noise["stop"])),
+        {}
+        if not persistent
+        else borrowable(parent, _parent_shard(parent, noise["start"], noise["stop"])),
         snap.arrays,
         snap.references,
     )
@@ -156,8 +158,8 @@ def encode(state: TrainerState, parent: Manifest | None, *, shard_only: bool = F
         "t": noise["t"],
         "dim": layout["dim"],
         "dtype": noise["dtype"],
-        # BLT buffers have no head: each step rewrites all of them
-        "head": noise["t"] % ring_slots if ring_slots and not blt else 0,
+        # rows every step rewrites (BLT buffers) have no head
+        "head": noise["t"] % ring_slots if ring_slots and persistent else 0,
         # storage: whole-width slots per rank shard, whatever the placement, so a
         # resume on other tiers or another world size re-plans and loads the same arrays
         "shards": [shard],

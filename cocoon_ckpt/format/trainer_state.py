@@ -19,8 +19,7 @@ from cocoon_ckpt._state_dict import check_state
 from cocoon_ckpt.records import IdentityRecord, PlacementRecord
 
 if TYPE_CHECKING:
-    from cocoon_ckpt.dp.bandmf_noise import BandMFNoise
-    from cocoon_ckpt.dp.blt.noise import BLTNoise
+    from cocoon_ckpt.dp.noise_mechanism import NoiseMechanism
     from cocoon_ckpt.embedding.csc import CoalescedCSC
     from cocoon_ckpt.embedding.csc_window import CscWindows, StoredCSC
     from cocoon_ckpt.embedding.tables import EmbeddingNoise
@@ -117,9 +116,9 @@ class TrainerState(TypedDict):
     optimizer: dict[str, Any]
     """torch's optimizer state_dict."""
     noise: dict[str, Any]
-    """`BandMFNoise.state_dict()` (or `BLTNoise.state_dict()`, its d buffers as the
-    ring, every one new each version) of this rank's shard: its `ring` is the live
-    `RingHistory`, of which a checkpoint copies only the slots new since its parent."""
+    """`NoiseMechanism.state_dict()` of this rank's shard: its `ring` is the live
+    `RingHistory` of its rows, of which a checkpoint copies only those new since its
+    parent (every one, when the rows are not `persistent_rows`: a BLT's buffers)."""
     noise_layout: NoiseLayout
     sampler: dict[str, Any]
     accountant: dict[str, Any]
@@ -195,12 +194,12 @@ def load_parts(state: TrainerState, scheduler: Any, stateful: dict[str, Any]) ->
 
 
 def noise_layout(
-    noise: BandMFNoise | BLTNoise, dim: int, param_names: list[str], rank: int | None
+    noise: NoiseMechanism, dim: int, param_names: list[str], rank: int | None
 ) -> NoiseLayout:
     """The layout of `noise`, this rank's shard of a `dim`-long vector."""
     placement = [
         {**p, "start": p["start"] + noise.start, "stop": p["stop"] + noise.start}
-        for p in noise.history.placement()
+        for p in noise.state_rows.placement()
     ]
     if rank is not None:
         placement = [{**p, "rank": rank} for p in placement]
@@ -209,7 +208,7 @@ def noise_layout(
         "param_names": list(param_names),
         "rank": rank,
         "placement": cast(list[PlacementRecord], placement),
-        "plan": noise.history.plan,
+        "plan": noise.state_rows.plan,
         "history_bytes": noise.history_bytes(),
     }
 

@@ -4,7 +4,11 @@ min-sep sensitivity, `dp.blt.accounting`).
 
 The kind decides three things that must agree, so they are built in one place: the
 strategy C, the noise state the checkpoints carry (BandMF's b-1 ring slots or BLT's d
-buffers, both a `RingHistory` the tiers can hold), and how epsilon is accounted.
+buffers, both a `RingHistory` the tiers can hold), and how epsilon is accounted. This
+is the one module that tells the kinds apart: the trainer, the checkpoint and the
+resume hold a `NoiseMechanism` (`cocoon_ckpt.dp.noise_mechanism`) and ask it, and an
+import-linter contract keeps the concrete noise classes out of every other module of
+`train`, `tools` and the CLI.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from cocoon_ckpt.dp.blt.optimize import job_blt
 from cocoon_ckpt.dp.blt.strategy import BLT
 from cocoon_ckpt.dp.generator import NoiseRng
 from cocoon_ckpt.dp.mechanism import BandMF, MechanismKind
+from cocoon_ckpt.dp.noise_mechanism import NoiseMechanism
 from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.tiers.build import build_history
 from cocoon_ckpt.tiers.config import TierConfig
@@ -26,19 +31,17 @@ from cocoon_ckpt.train.config import DPConfig
 
 __all__ = [
     "Mechanism",
-    "Noise",
     "blt_sensitivity",
     "build_accountant",
     "build_mechanism",
     "build_noise",
     "check_mechanism",
     "mechanism_from_state",
+    "tables_mechanism",
 ]
 
 Mechanism: TypeAlias = BandMF | BLT
 """A strategy the trainer runs."""
-Noise: TypeAlias = BandMFNoise | BLTNoise
-"""Its streaming noise (both keep their state in a `RingHistory`)."""
 
 
 def build_mechanism(config: DPConfig) -> Mechanism:
@@ -120,15 +123,30 @@ def build_noise(
     stop: int,
     tiers: TierConfig | None,
     rng: NoiseRng,
-) -> Noise:
-    """The shard [start, stop) of the mechanism's streaming noise, its history (b-1
-    ring slots, or d BLT buffers) placed over the tiers `tiers` allows."""
+) -> NoiseMechanism:
+    """The shard [start, stop) of the mechanism's streaming noise, its rows (b-1 ring
+    slots, or d BLT buffers) placed over the tiers `tiers` allows."""
     slots = mechanism.buffers if isinstance(mechanism, BLT) else mechanism.bands - 1
     history = build_history(slots, stop - start, dtype, tiers)
     common: dict[str, Any] = {"start": start, "stop": stop, "rng": rng}
     if isinstance(mechanism, BLT):
         return BLTNoise(mechanism, dim, key, noise_std, dtype, buffers=history, **common)
     return BandMFNoise(mechanism, dim, key, noise_std, dtype, history=history, **common)
+
+
+def tables_mechanism(mechanism: Mechanism) -> BandMF:
+    """The BandMF strategy embedding tables run (`check_mechanism` has refused a BLT
+    with tables).
+
+    Raises:
+        ConfigError: `mechanism` is a BLT.
+    """
+    if isinstance(mechanism, BLT):
+        raise ConfigError(
+            "embedding tables run BandMF's coalesced noise in this release, not a BLT: "
+            "use a banded mechanism, or drop EmbeddingConfig"
+        )
+    return mechanism
 
 
 def build_accountant(config: DPConfig, mechanism: Mechanism) -> Accountant:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,7 +13,6 @@ from torch.utils.data import DataLoader, Dataset
 
 from cocoon_ckpt._state_dict import uncompiled
 from cocoon_ckpt.dp.generator import as_noise_rng, generator_backend
-from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.dp.sampler import CyclicPoissonSampler
 from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.embedding.engine import TablePlan
@@ -48,6 +47,7 @@ from cocoon_ckpt.train.mechanisms import (
     build_mechanism,
     build_noise,
     check_mechanism,
+    tables_mechanism,
 )
 from cocoon_ckpt.train.model_checks import check_noise_rng, dense_param_names, table_specs
 from cocoon_ckpt.train.noisy_grads import NoisyGradients
@@ -265,7 +265,7 @@ class DPTrainer:
                 scheduler,
                 self.data.tensors,
                 self.sampler.schedule(config.steps),
-                cast(BandMF, self.mechanism),  # check_mechanism refused a BLT with tables
+                tables_mechanism(self.mechanism),
                 noise_key,
                 config,
                 table_plans,

@@ -28,7 +28,8 @@ def _after_gemv(t: int) -> None:
 
 
 class BLTNoise:
-    """w_t = C^-1 z for one coordinate range [start, stop) of a BLT strategy.
+    """A BLT's w_t = C^-1 z for one coordinate range [start, stop): a `NoiseMechanism`
+    whose rows are the d buffers, every one rewritten each step.
 
     State passed in and out explicitly: `state_dict()` holds the next step and the
     live buffers. `materialize(n)` gives the dense reference.
@@ -47,6 +48,9 @@ class BLTNoise:
     Raises:
         ValueError: the shard or the buffers' shape disagrees (the message names both).
     """
+
+    persistent_rows = False
+    """Each step rewrites all d buffers: nothing a parent version stored is current."""
 
     def __init__(
         self,
@@ -113,23 +117,21 @@ class BLTNoise:
         return w
 
     @property
-    def history(self) -> RingHistory:
-        """The buffers, by the name the trainer's layout and tiers read (`RingHistory`)."""
+    def state_rows(self) -> RingHistory:
+        """The d buffers, (d, width), where the tiers hold them."""
         return self.buffers
 
-    @property
-    def slot_steps(self) -> list[int | None]:
-        """The step each buffer holds the state after: t - 1 for all d of them (each
-        step rewrites every buffer); None before step 0. A checkpoint stores every
-        buffer anew each version: nothing can be borrowed from the parent."""
+    def row_steps(self) -> list[int | None]:
+        """The step after which every buffer was taken: t - 1 for all d of them; None
+        before step 0."""
         last = self.t - 1 if self.t > 0 else None
         return [last] * self.blt.buffers
 
     # state -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The next step and the shard, plus the buffers by reference (`ring`, the live
-        `RingHistory`, with `slot_steps`: the form the snapshot codec writes for
-        `BandMFNoise` too); copy what you keep before the next `step()`."""
+        `RingHistory`, labelled by `slot_steps`: the `NoiseMechanism` record); copy what
+        you keep before the next `step()`."""
         return {
             "kind": "BLTNoise",
             "schema_version": 2,
@@ -137,8 +139,9 @@ class BLTNoise:
             "start": self.start,
             "stop": self.stop,
             "dtype": str(self.dtype).removeprefix("torch."),
-            "slot_steps": self.slot_steps,
+            "slot_steps": self.row_steps(),
             "ring": self.buffers,
+            "persistent_rows": self.persistent_rows,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
