@@ -10,6 +10,7 @@ __all__ = [
     "THREAT_MODELS",
     "THREAT_MODEL_DEFAULT",
     "MODEL_PREFIX",
+    "SCHEDULER_PREFIX",
     "array_kind",
     "emb_name",
     "model_name",
@@ -17,6 +18,7 @@ __all__ = [
     "ring_name",
     "ring_rows_name",
     "rng_name",
+    "stateful_prefix",
     "table_ring_rows_name",
 ]
 
@@ -64,6 +66,15 @@ def array_kind(name: str) -> str:
         part = name.split("/")[2] if name.count("/") >= 2 else ""
         return {"csc": "csc", "ring": "emb_ring"}.get(part, "emb_order")
     return "optimizer" if top == "optim" else top
+
+
+#: The folder of the learning-rate scheduler's arrays: `scheduler/<i>` (`format.part_state`).
+SCHEDULER_PREFIX = "scheduler"
+
+
+def stateful_prefix(name: str) -> str:
+    """The folder of the arrays of the job's stateful part `name`: `stateful/<name>/<i>`."""
+    return f"stateful/{name}"
 
 
 def ring_name(shard: int, step: int) -> str:

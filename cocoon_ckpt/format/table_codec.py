@@ -16,7 +16,7 @@ from cocoon_ckpt.records import EmbeddingRecord, RingSlot, ShardRecord, TableRec
 from state import Manifest, Version
 
 if TYPE_CHECKING:
-    from cocoon_ckpt.format.codec import Snapshot
+    from cocoon_ckpt.format.snapshot import Snapshot
 
 __all__ = ["decode_tables", "encode_tables"]
 

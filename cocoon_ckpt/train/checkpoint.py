@@ -23,7 +23,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from cocoon_ckpt.dp.accounting.accountant import Accountant
-from cocoon_ckpt.format.codec import Snapshot, encode
+from cocoon_ckpt.format.codec import encode
+from cocoon_ckpt.format.snapshot import Snapshot
 from cocoon_ckpt.records import NoiseRecord, RankShard
 from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.job_records import check_job_records

@@ -1,0 +1,45 @@
+"""The codec of the job's own parts: the learning-rate scheduler and the `stateful`
+parts a job builder returns. Each state dict in the `part_state` grammar (tagged JSON),
+its tensors as arrays under `layout.SCHEDULER_PREFIX` or `layout.stateful_prefix`."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cocoon_ckpt.format.part_state import decode_part_state, encode_part_state
+from cocoon_ckpt.format.snapshot import Encoded
+from cocoon_ckpt.format.trainer_state import PartState
+from cocoon_ckpt.records import PartStateRecord
+from state import Version
+
+__all__ = ["decode", "encode"]
+
+
+def encode(part: PartState, prefix: str) -> Encoded[PartStateRecord]:
+    """The record of one part's state and its tensors' copies, named `<prefix>/<i>`.
+
+    Raises:
+        TypeError: the part's state holds something the grammar cannot hold (named by
+            the part's kind and the value's path).
+    """
+    arrays: dict[str, np.ndarray] = {}
+    try:
+        state = encode_part_state(part["state"], prefix, arrays)
+    except TypeError as exc:
+        raise TypeError(f"{part['kind']}.state_dict(): {exc}") from None
+    return Encoded(record={"kind": part["kind"], "state": state}, arrays=arrays)
+
+
+def decode(rec: PartStateRecord | None, version: Version) -> PartState | None:
+    """The part's state `rec` records (None: the version holds no such part).
+
+    Raises:
+        TypeError: the record is not in the grammar (named by the part's kind).
+    """
+    if rec is None:
+        return None
+    try:
+        state = decode_part_state(rec["state"], version.array)
+    except ValueError as exc:
+        raise TypeError(f"{rec['kind']} state: {exc}") from None
+    return {"kind": rec["kind"], "state": state}
