@@ -36,13 +36,14 @@ def encode(
     """The record of this rank's noise state and the ring rows new since `parent`.
 
     Args:
-        noise: the noise's `state_dict()` (its `ring` the live history).
+        noise: the `NoiseMechanism.state_dict()` of this rank's shard (its `ring` the
+            live rows, `persistent_rows` whether a row outlives the step that wrote it).
         layout: where the history lies and what the vector is (`noise_layout`).
         parent: the version this one follows (None: the first).
     """
     rank = layout["rank"] or 0
-    # a BLT rewrites every buffer each step: nothing of the parent's can be borrowed
-    blt = noise["kind"] == "BLTNoise"
+    # rows every step rewrites (a BLT's buffers): nothing of the parent's can be borrowed
+    persistent = noise["persistent_rows"]
     arrays: dict[str, np.ndarray] = {}
     references: dict[str, ArrayMeta] = {}
     slots = encode_slots(
@@ -50,7 +51,9 @@ def encode(
         noise["slot_steps"],
         lambda first, last: ring_rows_name(rank, first, last),
         parent,
-        {} if blt else borrowable(parent, _parent_shard(parent, noise["start"], noise["stop"])),
+        borrowable(parent, _parent_shard(parent, noise["start"], noise["stop"]))
+        if persistent
+        else {},
         arrays,
         references,
     )
@@ -60,8 +63,8 @@ def encode(
         "t": noise["t"],
         "dim": layout["dim"],
         "dtype": noise["dtype"],
-        # BLT buffers have no head: each step rewrites all of them
-        "head": noise["t"] % ring_slots if ring_slots and not blt else 0,
+        # rows every step rewrites (BLT buffers) have no head
+        "head": noise["t"] % ring_slots if ring_slots and persistent else 0,
         # storage: whole-width slots per rank shard, whatever the placement, so a
         # resume on other tiers or another world size re-plans and loads the same arrays
         "shards": [shard],
