@@ -1,5 +1,6 @@
 """`Snapshot`: one checkpoint in host memory, ready to be written; `Encoded`, what a
-part's codec returns (its record and its arrays), which the snapshot takes in."""
+part's codec returns (its record and its arrays), which the snapshot takes in;
+`host_copy`, how a part copies a live tensor into it."""
 
 from __future__ import annotations
 
@@ -7,13 +8,19 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import numpy as np
+import torch
 
 from cocoon_ckpt.records import RankShard
 from state import ArrayMeta
 
-__all__ = ["Encoded", "Snapshot"]
+__all__ = ["Encoded", "Snapshot", "host_copy"]
 
 R = TypeVar("R")
+
+
+def host_copy(t: torch.Tensor) -> np.ndarray:
+    """A contiguous host copy of `t` that the trainer can no longer change."""
+    return t.detach().cpu().contiguous().numpy().copy()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from cocoon_ckpt.format.snapshot import Encoded
+from cocoon_ckpt.format.snapshot import Encoded, host_copy
 from cocoon_ckpt.format.stored import model_state
 from cocoon_ckpt.layout import model_name
 from state import Version
 
-__all__ = ["decode", "encode", "host_copy"]
-
-
-def host_copy(t: torch.Tensor) -> np.ndarray:
-    """A contiguous host copy of `t` that the trainer can no longer change."""
-    return t.detach().cpu().contiguous().numpy().copy()
+__all__ = ["decode", "encode"]
 
 
 def encode(model: dict[str, torch.Tensor]) -> Encoded[None]:

@@ -8,8 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cocoon_ckpt.format.parts.model import host_copy
-from cocoon_ckpt.format.snapshot import Encoded
+from cocoon_ckpt.format.snapshot import Encoded, host_copy
 from cocoon_ckpt.layout import optim_name
 from cocoon_ckpt.records import OptimizerRecord, OptimizerValue
 from state import Version

@@ -7,8 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cocoon_ckpt.format.parts.model import host_copy
-from cocoon_ckpt.format.snapshot import Encoded
+from cocoon_ckpt.format.snapshot import Encoded, host_copy
 from cocoon_ckpt.format.trainer_state import RngState
 from cocoon_ckpt.layout import rng_name
 from cocoon_ckpt.records import RngRecord
