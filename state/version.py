@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -19,14 +20,23 @@ __all__ = ["Version", "read_verified"]
 
 _READ_THREADS = 8
 
+#: Bytes of verified arrays a version keeps for reuse (a restore verifies every array,
+#: then decodes them). Past it an array is verified and let go, and read (and verified)
+#: again when asked for: a version larger than RAM, a ring history on a far tier, is
+#: verified and restored in bounded memory instead of held whole.
+KEEP_BYTES = 1 << 30
+
 
 class Version:
-    """One committed version, read back. Arrays load on first access and are verified."""
+    """One committed version, read back. Arrays load on first access and are verified;
+    up to `KEEP_BYTES` of them are kept for the next access."""
 
     def __init__(self, store: Store, manifest: Manifest) -> None:
         self.store = store
         self.manifest = manifest
         self._cache: dict[str, np.ndarray] = {}
+        self._kept = 0
+        self._lock = threading.Lock()
 
     @property
     def version(self) -> int:
@@ -51,11 +61,15 @@ class Version:
             CorruptVersionError: it is missing, truncated or fails its checksum.
             UnsafePathError: its path leaves the store.
         """
-        if name in self._cache:
-            return self._cache[name]
+        cached = self._cache.get(name)
+        if cached is not None:
+            return cached
         meta = self.manifest.arrays[name]
         arr = read_verified(self.store, self.version, name, meta)
-        self._cache[name] = arr
+        with self._lock:
+            if name not in self._cache and self._kept + arr.nbytes <= KEEP_BYTES:
+                self._cache[name] = arr
+                self._kept += arr.nbytes
         return arr
 
     def verify(self) -> None:

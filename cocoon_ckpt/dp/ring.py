@@ -189,4 +189,5 @@ def load_ring_into(into: RingHistory, ring: Any, what: str, fix: str = "") -> No
             f"{want[2]}({want[0]}, {want[1]}){fix}"
         )
     if ring is not into:
-        into.scatter(ring.gather())
+        for slot in range(into.slots):  # one row at a time: a ring may exceed host memory
+            into.write(slot, ring.read(slot))

@@ -205,21 +205,31 @@ def load_ring(noise: dict[str, Any], shards: list[ShardRecord], version: Version
     """The BandMFNoise state of `noise`'s [start, stop) (a live state dict, read
     for its range, ring shape and dtype) from stored ring shards of any split, slots
     in either record form: only the overlaps are read (I1 and the fixed-order kernel
-    make the noise independent of how it was split)."""
+    make the noise independent of how it was split).
+
+    The slots are written one by one into the live ring `noise["ring"]` itself (a
+    `RingHistory`), which the returned state names: a ring larger than host memory,
+    whose far part is a file on disk, is restored through one (width,) row, never
+    gathered whole. Every slot is written, zeros where the version stores none."""
     start, stop = noise["start"], noise["stop"]
     like = noise["ring"]
-    ring = np.zeros((like.slots, like.width), dtype=like.dtype)
+    into = like if isinstance(like, RingHistory) else HostRing(like.slots, like.width, like.dtype)
     slot_steps: list[int | None] = [None] * like.slots
+    stored: list[list[tuple[ShardRecord, SlotRef]]] = [[] for _ in range(like.slots)]
     for shard in shards:
-        lo, hi = max(shard["start"], start), min(shard["stop"], stop)
         for ref in slot_refs(shard["slots"]):
             slot_steps[ref.slot] = ref.step
+            stored[ref.slot].append((shard, ref))
+    row = np.empty(like.width, dtype=like.dtype)
+    for slot, parts in enumerate(stored):
+        row[...] = 0
+        for shard, ref in parts:
+            lo, hi = max(shard["start"], start), min(shard["stop"], stop)
             if hi > lo:
                 values = slot_values(version, ref)
-                ring[ref.slot, lo - start : hi - start] = values[
-                    lo - shard["start"] : hi - shard["start"]
-                ]
-    return {**noise, "slot_steps": slot_steps, "ring": HostRing.holding(ring)}
+                row[lo - start : hi - start] = values[lo - shard["start"] : hi - shard["start"]]
+        into.write(slot, row)
+    return {**noise, "slot_steps": slot_steps, "ring": into}
 
 
 def rows_by_array(records: Mapping[str, Any]) -> dict[str, list[tuple[str, SlotRef]]]:

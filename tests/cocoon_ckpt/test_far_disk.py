@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,13 @@ from hypothesis import strategies as st
 from cocoon_ckpt import BandMF, BandMFNoise
 from cocoon_ckpt._cli.main import main
 from cocoon_ckpt.dp.gemv import mix_history
+from cocoon_ckpt.dp.ring import HostRing
+from cocoon_ckpt.format.ring_rows import encode_slots, load_ring
+from cocoon_ckpt.layout import ring_rows_name
 from cocoon_ckpt.tiers import FarTier, TierConfig, TieredHistory, build_history
 from cocoon_ckpt.tiers.far_io import private_file, stream_gemv, write_at
 from state import Store
+from state import version as state_version
 
 U = 1 << 16  # one noise block: the smallest allocation unit
 
@@ -127,6 +132,57 @@ def test_host_budget_puts_the_rest_on_the_far_file_with_the_same_noise(tmp_path:
     finally:
         tiered.close()
     assert not list(tmp_path.iterdir())
+
+
+def test_a_stored_ring_is_restored_onto_the_far_file_row_by_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A version whose ring is past what a version keeps in memory (here nothing is
+    kept) verifies without holding its arrays, and restores into a history on the far file one row at a time: the allocations
+    of the restore peak at a few rows (the row read, its decoding, the row written),
+    not at the ring's twelve, and every slot is the stored one."""
+    monkeypatch.setattr(state_version, "KEEP_BYTES", 0)
+    slots, width = 12, 40 * U  # 10 MiB rows: one row per stored array
+    ring = HostRing(slots, width, "float32")
+    rng = np.random.default_rng(3)
+    for s in range(slots):
+        ring.write(s, rng.standard_normal(width, dtype=np.float32))
+    steps: list[int | None] = [12, 13, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+    store = Store.open(str(tmp_path / "ring.zarr"))
+    store.acquire_lease()
+    arrays: dict[str, np.ndarray] = {}
+    entries = encode_slots(ring, steps, lambda a, b: ring_rows_name(0, a, b), None, {}, arrays, {})
+    tx = store.begin(14)
+    for name, values in arrays.items():
+        tx.put_array(name, values)
+    shards = [{"start": 0, "stop": width, "slots": entries}]
+    tx.put_record("noise", {"shards": shards})
+    tx.commit()
+    tracemalloc.start()
+    try:  # every array verified, none kept
+        version = Store.open(str(tmp_path / "ring.zarr"), create=False).latest()
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert version is not None
+    assert held < ring.nbytes / 4, (held, ring.nbytes)
+    far_dir = tmp_path / "far"
+    far_dir.mkdir()
+    history = TieredHistory(
+        slots, width, "float32", [FarTier(1 << 30, folder=str(far_dir))], {"far": 40}, U
+    )
+    try:
+        tracemalloc.start()
+        try:
+            state = load_ring({"start": 0, "stop": width, "ring": history}, shards, version)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert state["ring"] is history and state["slot_steps"] == steps
+        assert peak < 4 * width * 4 + (4 << 20), (peak, ring.nbytes)
+        assert all(np.array_equal(history.read(s), ring.read(s)) for s in range(slots))
+    finally:
+        history.close()
 
 
 # -- a job on the far file, SIGKILLed and resumed ----------------------------------------
