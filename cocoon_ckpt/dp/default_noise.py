@@ -26,9 +26,10 @@ generator backend record carries the numpy release for that, as it carries torch
 Every block has its own generator and its own slice of the output, so blocks are drawn
 on several threads with no change to any bit, and any range is the same slice of the
 whole (I1). Steps 2-3 run compiled (`cocoon_ckpt.dp._ziggurat_kernel`: numpy's SFC64
-and ziggurat, the same operations in the same order, ~3.5x numpy's speed here) from
-`COMPILED_MIN_VALUES` on; numpy's own generator, above, stays the scheme's definition,
-and tests/cocoon_ckpt/test_ziggurat_kernel.py holds the two equal bit for bit.
+and ziggurat, the same operations in the same order, ~3.5x numpy's speed here) once a
+process has drawn `COMPILED_MIN_VALUES`; numpy's own generator, above, stays the
+scheme's definition, and tests/cocoon_ckpt/test_ziggurat_kernel.py holds the two equal
+bit for bit.
 """
 
 from __future__ import annotations
@@ -56,14 +57,16 @@ DEFAULT_SCHEME = "numpy-sfc64-blake2b256-block65536/v2"
 #: Coordinates per fresh-noise block: the unit every shard split aligns to.
 BLOCK = 1 << 16
 
-#: Values below which `keyed_gaussians` draws with numpy (the same bits): a process's
-#: first compiled call costs about 1 s (numba's start-up and the kernel's load from its
-#: on-disk cache); 16 blocks take ~8 ms in numpy, so a small model never earns it back.
+#: Values a process draws with numpy before `keyed_gaussians` goes compiled (the same
+#: bits): a process's first compiled call costs about 1 s (numba's start-up and the
+#: kernel's load from its on-disk cache); 16 blocks take ~8 ms in numpy, so a small
+#: model never earns it back. A call of less than a block stays with numpy.
 COMPILED_MIN_VALUES = 16 * BLOCK
 
 _PERSON = b"cocoon-sfc64-z"
 _POOL_WORDS = 8  # SeedSequence pool of 8 x 32 bits: all 256 bits of entropy are kept
 
+_drawn = 0  # values this process has drawn (a racy count: it only picks the path)
 _pool_lock = threading.Lock()
 _pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, executor)
 
@@ -147,8 +150,10 @@ def keyed_gaussians(
         out: (stop - start,) C-contiguous float32 or float64, written.
         std: the standard deviation, applied in `out`'s dtype.
         threads: blocks drawn at once (the bits do not depend on it).
-        compiled: True: the compiled generator; False: numpy's; None: compiled from
-            `COMPILED_MIN_VALUES` values on. The result is the same.
+        compiled: True: the compiled generator; False: numpy's; None: compiled for a
+            call of a block or more once the process has drawn `COMPILED_MIN_VALUES`
+            values, this call's included (the embedding precompute draws a few blocks
+            per call, many calls). The result is the same.
 
     Returns:
         `out`.
@@ -159,7 +164,9 @@ def keyed_gaussians(
         raise ValueError(f"out is {out.dtype}, expected float32 or float64")
     blocks = range(start // BLOCK, (stop - 1) // BLOCK + 1)
     if compiled is None:
-        compiled = stop - start >= COMPILED_MIN_VALUES
+        global _drawn
+        _drawn += stop - start
+        compiled = stop - start >= BLOCK and _drawn >= COMPILED_MIN_VALUES
     if compiled:
         from cocoon_ckpt.dp._ziggurat_kernel import gaussians_into
 

@@ -126,6 +126,37 @@ def test_keyed_noise_draws_compiled_from_the_threshold_on_with_the_same_bits(dty
     assert torch.equal(part, torch.from_numpy(z[BLOCK - 5 : 2 * BLOCK + 5]))
 
 
+def test_calls_of_a_block_or_more_go_compiled_once_the_process_has_drawn_the_threshold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from cocoon_ckpt.dp import _ziggurat_kernel, default_noise
+
+    calls: list[int] = []
+    kernel = _ziggurat_kernel.gaussians_into
+
+    def counted(seeds: np.ndarray, *args: object) -> None:
+        calls.append(len(seeds))
+        kernel(seeds, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_ziggurat_kernel, "gaussians_into", counted)
+    monkeypatch.setattr(default_noise, "_drawn", 0)
+
+    def fresh(start: int, stop: int) -> np.ndarray:
+        out = np.empty(stop - start, dtype=np.float32)
+        z = keyed_gaussians(KEY, 3, start, stop, out, 1.0, threads=2)
+        assert same_bits(z, draw(KEY, 3, start, stop, "float32", 1.0, compiled=False))
+        return z
+
+    fresh(0, 4 * BLOCK)  # an embedding precompute's tile: 4 blocks
+    assert calls == []  # the process has drawn less than the threshold
+    fresh(4 * BLOCK, COMPILED_MIN_VALUES)
+    assert calls == [12]  # this call's values reach it
+    fresh(BLOCK + 7, 3 * BLOCK)
+    assert calls == [12, 2]  # from now on a call of a block or more is compiled
+    fresh(0, BLOCK - 1)
+    assert calls == [12, 2]  # a small model's partial block stays with numpy
+
+
 def test_a_wrong_destination_is_refused_naming_it() -> None:
     with pytest.raises(ValueError, match="expected float32 or float64"):
         keyed_gaussians(KEY, 0, 0, 10, np.empty(10, dtype=np.float16), 1.0, compiled=True)
