@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # the names as static tools see them
     from cocoon_ckpt.train.allowances import ResumeAllowances
     from cocoon_ckpt.train.checkpoint import Checkpointer
     from cocoon_ckpt.train.config import DPConfig, JobConfig
+    from cocoon_ckpt.train.options import JobOptions
     from cocoon_ckpt.train.parts import JobParts
     from cocoon_ckpt.train.runner import RunResult, run_job
     from cocoon_ckpt.train.session import JobSession, open_job
@@ -51,6 +52,7 @@ _LAZY = {
     "GENERATOR_BACKEND": "dp.noise",
     "GeneratorMismatchError": "errors",
     "JobConfig": "train.config",
+    "JobOptions": "train.options",
     "JobParts": "train.parts",
     "JobSession": "train.session",
     "KeyedNoise": "dp.noise",
@@ -88,6 +90,7 @@ __all__ = [
     "DPTrainer",
     "GeneratorMismatchError",
     "JobConfig",
+    "JobOptions",
     "JobParts",
     "JobSession",
     "KeyedNoise",

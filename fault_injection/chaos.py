@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cocoon_ckpt import JobConfig, ResumeAllowances, run_job
+from cocoon_ckpt import JobConfig, JobOptions, ResumeAllowances, run_job
 from cocoon_ckpt.keys import manifest_mac_key
 from state import CorruptVersionError, Store, restamp
 from state.paths import manifest_path, version_prefix
@@ -220,7 +220,7 @@ def run_chaos(
         if key is not None:
             with open(key_file, "wb") as f:
                 f.write(key)
-        reference = golden(config, f"{tmp}/gold.zarr", key_file=key_file)
+        reference = golden(config, f"{tmp}/gold.zarr", options=JobOptions(key_file=key_file))
         with open(key_file, "rb") as f:
             mac_key = manifest_mac_key(f.read())
         for trial in range(trials):
@@ -245,10 +245,12 @@ def run_chaos(
                     run_job(
                         config,
                         url,
-                        fs=fs,
-                        key_file=key_file,
                         on_step=trace.record,
-                        allow=ResumeAllowances(fallback=allow_fallback),
+                        options=JobOptions(
+                            fs=fs,
+                            key_file=key_file,
+                            allow=ResumeAllowances(fallback=allow_fallback),
+                        ),
                     )
                     done = True
                 except CrashPointHit:

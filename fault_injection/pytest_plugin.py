@@ -1,9 +1,10 @@
 """pytest plugin (entry point `cocoon_ckpt`): fixtures for a crash test of your own job.
 
-    def test_my_job_survives_crashes(golden_run, crash_schedule, faulty_store):
+    def test_my_job_survives_crashes(golden_run, crash_schedule, faulty_store, noise_key_file):
         ref = golden_run(config)
         url, fs = faulty_store(transient=0.1)
-        trace, divergence = verify(config, url, crash_schedule(config, n=3), ref, fs=fs)
+        options = JobOptions(fs=fs, key_file=noise_key_file)
+        trace, divergence = verify(config, url, crash_schedule(config, n=3), ref, options=options)
         assert divergence is None
 
 Each fixture is a factory, so one test can make several.
@@ -23,7 +24,7 @@ import pytest
 # environment: torch and zarr load inside the fixtures, only in tests that use them
 # (importing them here made an unrelated project's pytest start 1.0 s -> 3.7 s).
 if TYPE_CHECKING:
-    from cocoon_ckpt import JobConfig
+    from cocoon_ckpt import JobConfig, JobOptions
 
     from .faulty_fs import FaultyFileSystem
     from .trace import Trace
@@ -39,13 +40,22 @@ def noise_key_file(tmp_path: Path) -> str:
 
 @pytest.fixture
 def golden_run(tmp_path: Path, noise_key_file: str) -> Callable[..., Trace]:
-    """`golden_run(config, **run_job_kwargs) -> Trace` of an uninterrupted run."""
+    """`golden_run(config, parts=None, options=None) -> Trace` of an uninterrupted run
+    (`run_job`'s `parts` and `options`), its key in `noise_key_file` unless `options`
+    names another."""
 
-    def make(config: JobConfig, **kwargs: Any) -> Trace:
+    def make(config: JobConfig, parts: Any = None, options: JobOptions | None = None) -> Trace:
+        import dataclasses
+
+        from cocoon_ckpt import JobOptions
+
         from .trace import golden
 
-        kwargs.setdefault("key_file", noise_key_file)
-        return golden(config, str(tmp_path / f"golden-{uuid.uuid4().hex[:8]}.zarr"), **kwargs)
+        options = options or JobOptions()
+        if options.key_file is None:
+            options = dataclasses.replace(options, key_file=noise_key_file)
+        url = str(tmp_path / f"golden-{uuid.uuid4().hex[:8]}.zarr")
+        return golden(config, url, parts, options=options)
 
     return make
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from cocoon_ckpt import DPTrainer, JobConfig, StepResult, run_job
+from cocoon_ckpt import DPTrainer, JobConfig, JobOptions, StepResult, run_job
+from cocoon_ckpt.train.start import Parts
 
 from .crash import CrashPointHit, crash_at, disarm_all
 
@@ -84,10 +84,13 @@ class Trace:
         return None
 
 
-def golden(config: JobConfig, store_url: str, **run_kwargs: Any) -> Trace:
-    """Trace an uninterrupted run of `config` into a fresh store."""
+def golden(
+    config: JobConfig, store_url: str, parts: Parts = None, *, options: JobOptions | None = None
+) -> Trace:
+    """Trace an uninterrupted run of `config` (`run_job`'s `parts` and `options`) into a
+    fresh store."""
     trace = Trace()
-    run_job(config, store_url, on_step=trace.record, **run_kwargs)
+    run_job(config, store_url, parts, options=options, on_step=trace.record)
     return trace
 
 
@@ -97,7 +100,9 @@ def verify(
     schedule: Sequence[tuple[str, int | None]],
     reference: Trace,
     trace: Trace | None = None,
-    **run_kwargs: Any,
+    *,
+    parts: Parts = None,
+    options: JobOptions | None = None,
 ) -> tuple[Trace, Divergence | None]:
     """Run `config`, crashing in-process at each `(crash point, step)` of `schedule` in
     turn and resuming after each, to completion; compare with `reference`.
@@ -113,7 +118,7 @@ def verify(
     for point, step in schedule:
         crash_at(point, step=step)
         try:
-            run_job(config, store_url, on_step=trace.record, **run_kwargs)
+            run_job(config, store_url, parts, options=options, on_step=trace.record)
         except CrashPointHit as hit:
             trace.crashes.append(f"{hit.name}@{hit.ctx.get('step')}")
             trace.resumes += 1
@@ -122,5 +127,5 @@ def verify(
             disarm_all()
         break  # the job completed: later crash points can no longer fire
     else:
-        run_job(config, store_url, on_step=trace.record, **run_kwargs)
+        run_job(config, store_url, parts, options=options, on_step=trace.record)
     return trace, reference.first_divergence(trace)

@@ -292,12 +292,7 @@ def run(args: argparse.Namespace) -> int:
     # directory first, as `python -m` would; the console script has no cwd on sys.path.
     # A --job is built here once: its objects say what its optimizer, lr and dataset size
     # are (train_config.train_job).
-    config, store, builder = train_job(args, options)
-    if config.optimizer != "custom":  # a torch.optim class: refused before the job is run
-        from cocoon_ckpt.train.parts import check_optimizer_step, optimizer_class
-
-        name = config.optimizer
-        check_optimizer_step(optimizer_class(name), f"JobConfig.optimizer={name!r}")
+    config, store, parts = train_job(args, options)
     # under torchrun every rank runs this; rank 0 alone shows progress and the result
     follower = os.environ.get("RANK", "0") != "0"
     progress = None
@@ -313,24 +308,29 @@ def run(args: argparse.Namespace) -> int:
         )
 
     from cocoon_ckpt.train.allowances import ResumeAllowances
+    from cocoon_ckpt.train.options import JobOptions
     from cocoon_ckpt.train.runner import run_job
 
+    allow = ResumeAllowances(
+        fallback=args.allow_fallback,
+        device_change=args.allow_device_change,
+        generator_change=args.allow_generator_change,
+        unauthenticated=args.allow_unauthenticated,
+    )
+    run_options = JobOptions(
+        key_file=args.key_file,
+        storage_options=storage_options(args),
+        takeover=args.takeover,
+        allow=allow,
+        on_precompute=None if progress is None else progress.on_precompute,
+    )
     try:
         result = run_job(
             config,
             store,
-            storage_options=storage_options(args),
-            builder=builder,
-            key_file=args.key_file,
-            takeover=args.takeover,
-            allow=ResumeAllowances(
-                fallback=args.allow_fallback,
-                device_change=args.allow_device_change,
-                generator_change=args.allow_generator_change,
-                unauthenticated=args.allow_unauthenticated,
-            ),
+            parts,
+            options=run_options,
             on_step=None if progress is None else progress.on_step,
-            on_precompute=None if progress is None else progress.on_precompute,
         )
     finally:
         if progress is not None:

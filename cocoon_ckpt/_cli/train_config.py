@@ -14,7 +14,6 @@ import json
 import re
 from typing import TYPE_CHECKING, Any
 
-from cocoon_ckpt._cli.args import storage_options
 from cocoon_ckpt.dp._validate import MAX_COUNT
 from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.tiers.config import TierConfig
@@ -275,16 +274,13 @@ def train_job(
     learning rate and its dataset's length are the job's `optimizer`, `lr` and
     `dp.dataset_size` unless --optimizer, --lr or --dataset-size is given (an override,
     then checked against the objects as for any job). The builder returned hands those
-    built parts on, so the job is not built twice. A target epsilon is calibrated here,
-    once (a resume takes the store's sigma), so the config returned has the sigma that
-    will run.
+    built parts on, so the job is not built twice. A target epsilon is left to the
+    start, which calibrates it once against the store it opens (`train.start`).
 
     Raises:
         ConfigError: --store is blank, --config is combined with job flags, both
             --noise-multiplier and --target-epsilon are given, or the config file,
             --tiers or a flag's value is refused.
-        ConfigMismatchError: a resume changes the target or what it was calibrated for.
-        PrivacyBudgetError: no sigma >= 0.3 reaches the target.
     """
     if args.store is not None and not args.store.strip():
         raise ConfigError(
@@ -307,7 +303,7 @@ def train_job(
             config = dataclasses.replace(config, options=options)
         name = config.job.partition(":")[2] if config.job.startswith("example:") else "job"
         store = args.store or f"runs/{name}.zarr"
-        return (*_calibrated(config, store, args), _user_builder(config))
+        return config, store, _user_builder(config)
     # flags not given are left out, so the dataclasses' own defaults apply
     chosen = _given(args, JOB_FLAGS | TARGET_FLAGS)
     if "target_epsilon" in chosen and "noise_multiplier" in chosen:
@@ -347,7 +343,7 @@ def train_job(
         **_harmless(args),
     )
     store = args.store or f"runs/{example or 'job'}.zarr"
-    return (*_calibrated(config, store, args), builder)
+    return config, store, builder
 
 
 def _user_builder_of(job: str) -> Builder:
@@ -416,24 +412,3 @@ def _from_job(
         return parts
 
     return dp, job, built
-
-
-def _calibrated(config: JobConfig, store: str, args: argparse.Namespace) -> tuple[JobConfig, str]:
-    """`config` with sigma decided for a target epsilon (calibrated for a new store, the
-    stored one on resume), so what the command shows and runs is what the store records.
-    A config without a target is returned untouched, the store unopened."""
-    # Under torchrun the ranks first agree on what they were asked: a target on one rank
-    # alone would send it into the calibration's collective while the others skip it.
-    from cocoon_ckpt.train.rank_agreement import agree_on_request  # no torch in one process
-
-    agree_on_request(
-        config, store, key_file=args.key_file, storage_options=storage_options(args), fs=None
-    )
-    if config.dp.target_epsilon is None:
-        return config, store
-    from cocoon_ckpt.train.target_epsilon import calibrated_job  # dp-accounting: not at --help
-
-    resolved = calibrated_job(
-        config, store, storage_options=storage_options(args), allow_fallback=args.allow_fallback
-    )
-    return resolved, store

@@ -27,7 +27,7 @@ from cocoon_ckpt.train.identity import check_config_optimizer
 from cocoon_ckpt.train.job_data import JobData
 from cocoon_ckpt.train.mechanisms import Mechanism, build_mechanism, mechanism_from_state
 from cocoon_ckpt.train.model_checks import check_model
-from cocoon_ckpt.train.parts import JobParts, check_optimizer_step, resolve
+from cocoon_ckpt.train.parts import JobParts, check_optimizer_step, optimizer_class, resolve
 from cocoon_ckpt.train.trainer import DPTrainer, check_scheduler
 
 __all__ = [
@@ -56,15 +56,10 @@ def build_trainer(
 
     Raises:
         ValueError: the builder does not take (config) or does not return JobParts.
-        ConfigError: the job's optimizer is not the one `config.optimizer`/`lr` name,
-            its dataset's size is not `config.dp.dataset_size`, or a part's state could
-            not be checkpointed (`check_part_states`).
+        ConfigError, UnsupportedModelError: a part is refused (`check_parts`).
     """
     parts = job_parts(config, builder)
-    check_config_optimizer(parts.optimizer, config.optimizer, config.lr, parts.scheduler)
-    check_optimizer_step(parts.optimizer, "JobParts.optimizer")
-    check_part_states(parts)
-    check_first_batch(config, parts)
+    check_parts(config, parts)
     if dist is not None:
         mechanism = rank0_mechanism(config, dist, mechanism)
     return DPTrainer(
@@ -115,8 +110,9 @@ def job_parts(config: JobConfig, builder: Callable[..., JobParts] | None) -> Job
 
 
 def check_parts(config: JobConfig, parts: JobParts) -> None:
-    """The refusals of the job's parts that need no key: what `build_trainer` would
-    refuse, so a multi-process start refuses it on every rank before anything is written.
+    """The refusals of the job's parts that need no key, in one place for one rank and
+    many: `build_trainer` runs them, and a multi-process start runs them on every rank
+    before anything is written (`start.parts_on_ranks`).
 
     The mechanism checks (`mechanisms.check_mechanism`) are not run: a mechanism built
     from a valid config passes them (JobConfig refuses a BLT with embedding tables), and
@@ -124,7 +120,8 @@ def check_parts(config: JobConfig, parts: JobParts) -> None:
     across ranks (`start.trainer_on_ranks`).
 
     Raises:
-        ConfigError: the optimizer is not the one `config.optimizer`/`lr` name, the
+        ConfigError: `config.optimizer` names a torch optimizer whose step needs a
+            closure (lbfgs), the optimizer is not the one `config.optimizer`/`lr` name, the
             dataset's size is not `config.dp.dataset_size`, embedding noise is given
             data other than tensors or a `noise_rng` other than default, or the model's
             trainable parameters lie on several devices.
@@ -132,6 +129,9 @@ def check_parts(config: JobConfig, parts: JobParts) -> None:
             not float32/float64.
         ValueError: embedding noise with no table named; a table is not a parameter.
     """
+    if config.optimizer != "custom":  # named before the job's objects are compared with it
+        name = config.optimizer
+        check_optimizer_step(optimizer_class(name), f"JobConfig.optimizer={name!r}")
     check_config_optimizer(parts.optimizer, config.optimizer, config.lr, parts.scheduler)
     check_optimizer_step(parts.optimizer, "JobParts.optimizer")
     check_part_states(parts)

@@ -13,19 +13,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from cocoon_ckpt.errors import ConfigMismatchError
 from cocoon_ckpt.keys import key_id
 from cocoon_ckpt.train.allowances import ResumeAllowances
 from cocoon_ckpt.train.build import build_trainer, model_shapes, threat_model
 from cocoon_ckpt.train.config import JobConfig
-from cocoon_ckpt.train.parts import JobParts
+from cocoon_ckpt.train.options import JobOptions
 from cocoon_ckpt.train.session import open_job
+from cocoon_ckpt.train.start import Parts
 from cocoon_ckpt.train.trainer import DPTrainer, StepResult
 
 __all__ = [
     "ConfigMismatchError",
+    "JobOptions",
     "ResumeAllowances",
     "RunResult",
     "build_trainer",
@@ -56,33 +57,23 @@ class RunResult:
 def run_job(
     config: JobConfig,
     store_url: str,
+    parts: Parts = None,
     *,
-    storage_options: dict[str, Any] | None = None,
-    builder: Callable[..., JobParts] | None = None,
-    key_file: str | None = None,
-    takeover: bool = False,
-    allow: ResumeAllowances | None = None,
+    options: JobOptions | None = None,
     on_step: Callable[[StepResult, DPTrainer], None] | None = None,
-    on_precompute: Callable[[int, int], None] | None = None,
     stop_after: int | None = None,
-    fs: Any = None,
 ) -> RunResult:
     """Train `config` to completion (or `stop_after` steps), checkpointing to the store.
 
     Args:
-        config: the job.
+        config: the job (sigma given, or a target epsilon calibrated once at start).
         store_url: where its versions live (local path or fsspec URL).
-        storage_options: fsspec options for the URL.
-        builder: the job builder (resolved from `config.job` by default).
-        key_file: keep the noise key in this file (0600) instead of the store.
-        takeover: take the writer lease even if its holder looks alive.
-        allow: the resume checks to lift, each at the cost its field states
-            (`ResumeAllowances(fallback=True)`, ...); None lifts none.
+        parts: the job's parts (`JobParts`), or a builder called as `builder(config)`;
+            None resolves `config.job`.
+        options: how it runs against its store (`JobOptions`: key file, storage,
+            takeover, the resume checks lifted, precompute progress); None: defaults.
         on_step: called after each step (progress bars).
-        on_precompute: called as (rows done, rows in all) while coalesced embedding noise
-            is precomputed (before step 0; a resume loads it from the store instead).
         stop_after: stop once this many steps are done (tests, benchmarks).
-        fs: an fsspec filesystem to use for the store (fault injection).
 
     Raises:
         ConfigError: `store_url` is empty.
@@ -104,17 +95,7 @@ def run_job(
     (`cocoon_ckpt.train.distributed`). There the signals keep their default handlers: the
     ranks would have to agree on the step to stop at.
     """
-    with open_job(
-        config,
-        store_url,
-        builder,
-        storage_options=storage_options,
-        key_file=key_file,
-        takeover=takeover,
-        allow=allow,
-        on_precompute=on_precompute,
-        fs=fs,
-    ) as job:
+    with open_job(config, store_url, parts, options=options) as job:
         try:
             for res in job.steps(until=stop_after):
                 if on_step is not None:

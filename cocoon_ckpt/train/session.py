@@ -1,7 +1,7 @@
 """Your own loop: open a job on a store, take its DP steps one at a time, evaluate or log
 between them, stop when you like.
 
-    with open_job(config, "runs/job.zarr", parts, key_file="noise.key") as job:
+    with open_job(config, "runs/job.zarr", parts, options=JobOptions(key_file="noise.key")) as job:
         for step in job.steps():
             if step.step % 100 == 99:
                 job.log(accuracy=evaluate(job.model))
@@ -26,34 +26,27 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Generator, Iterator
-from typing import Any
 
 from torch import nn
 
-from cocoon_ckpt.dp import _validate as valid
 from cocoon_ckpt.errors import DataWorkerError
 from cocoon_ckpt.format.metrics import MetricsError, TrainingMetrics, step_scalars
 from cocoon_ckpt.records import JobRecords
-from cocoon_ckpt.train.allowances import ResumeAllowances
 from cocoon_ckpt.train.checkpoint import Checkpointer, writer_handoff
 from cocoon_ckpt.train.config import JobConfig
 from cocoon_ckpt.train.data import Batch
 from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.job_records import job_records
-from cocoon_ckpt.train.parts import JobParts
+from cocoon_ckpt.train.options import JobOptions
 from cocoon_ckpt.train.preempt import Preemption, preempted_error
-from cocoon_ckpt.train.rank_agreement import agree_on_request
-from cocoon_ckpt.train.start import parts_on_ranks, start_ranks, trainer_on_ranks
-from cocoon_ckpt.train.target_epsilon import calibrated_job
+from cocoon_ckpt.train.start import Parts, StartedJob, start_job
 from cocoon_ckpt.train.trainer import DPTrainer, StepResult
 from cocoon_ckpt.train.workers import WorkerWatch
-from state import Manifest, Store, Version
+from state import Manifest, Store
 
 __all__ = ["JobSession", "open_job"]
 
-log = logging.getLogger("cocoon_ckpt.train.runner")
-
-Parts = JobParts | Callable[..., JobParts] | None
+log = logging.getLogger(__name__)
 
 
 def open_job(
@@ -61,29 +54,18 @@ def open_job(
     store_url: str,
     parts: Parts = None,
     *,
-    storage_options: dict[str, Any] | None = None,
-    key_file: str | None = None,
-    takeover: bool = False,
-    allow: ResumeAllowances | None = None,
-    on_precompute: Callable[[int, int], None] | None = None,
-    fs: Any = None,
+    options: JobOptions | None = None,
 ) -> JobSession:
     """Start `config` on the store, or resume it from the store's newest valid version.
 
     Args:
-        config: the job.
+        config: the job (sigma given, or a target epsilon calibrated once at start).
         store_url: where its versions live (local path or fsspec URL).
         parts: the model, optimizer, loss and data (`JobParts`), or a builder called as
             `builder(config)`; None resolves `config.job`. A resume loads the stored
             state into these parts.
-        storage_options: fsspec options for the URL.
-        key_file: keep the noise key in this file (0600) instead of the store.
-        takeover: take the writer lease even if its holder looks alive.
-        allow: the resume checks to lift, each at the cost its field states
-            (`ResumeAllowances(fallback=True)`, ...); None lifts none.
-        on_precompute: called as (rows done, rows in all) while coalesced embedding noise
-            is precomputed (a fresh start only; a resume loads it).
-        fs: an fsspec filesystem to use for the store (fault injection).
+        options: how it runs against its store (`JobOptions`: key file, storage,
+            takeover, the resume checks lifted, precompute progress); None: defaults.
 
     Returns:
         The open job, holding the writer lease; close it (or use it as a context
@@ -96,27 +78,19 @@ def open_job(
             group or others.
         LeaseHeldError: another writer is running.
         CorruptVersionError: the newest version is damaged and fallback is off.
+        PrivacyBudgetError: no sigma reaches the config's target epsilon.
         PreemptedError: SIGTERM or SIGINT arrived while the job was being set up.
 
-    Every refusal comes before the first write. In the main thread of a single process,
-    SIGTERM and SIGINT are handled from here until the job closes: during set-up they
-    raise at once; once open, the first is noted and the job stops at the next step
-    (see `JobSession.steps`). Under torchrun every rank opens the job and the signals
-    keep their default handlers (the ranks would have to agree on a step to stop at).
+    Every refusal comes before the first write (`train.start`). In the main thread of a
+    single process, SIGTERM and SIGINT are handled from here until the job closes:
+    during set-up they raise at once; once open, the first is noted and the job stops
+    at the next step (see `JobSession.steps`). Under torchrun every rank opens the job
+    and the signals keep their default handlers (the ranks would have to agree on a
+    step to stop at).
     """
-    valid.text("store_url", store_url)
-    allow = allow or ResumeAllowances()
-    # under torch.distributed the ranks first agree on what they were asked (nothing in
-    # one process): before the calibration, whose collective only a target enters
-    agree_on_request(config, store_url, key_file=key_file, storage_options=storage_options, fs=fs)
-    config = calibrated_job(
-        config, store_url, storage_options=storage_options, fs=fs, allow_fallback=allow.fallback
-    )
-    builder = (lambda _config: parts) if isinstance(parts, JobParts) else parts
+    options = options or JobOptions()
     dist = DistContext.from_env()
     preempt = Preemption() if dist is None else None
-    if dist is not None:
-        builder = parts_on_ranks(config, builder, dist)
     with contextlib.ExitStack() as undo:
         if preempt is not None:
             undo.enter_context(preempt)
@@ -124,36 +98,31 @@ def open_job(
         # (`Preemption.holding`): from then on every way out releases it
         leased: list[Store] = []
         undo.callback(_release, leased)
-        store, latest, key, trainer = start_ranks(
+        job = start_job(
             config,
             store_url,
-            dist,
-            builder,
-            storage_options=storage_options,
-            key_file=key_file,
-            takeover=takeover,
-            allow=allow,
-            fs=fs,
+            parts,
+            options,
+            dist=dist,
             leased=leased,
             hold=preempt.holding if preempt is not None else contextlib.nullcontext,
         )
-        coordinator = dist is None or dist.is_coordinator
-        if trainer is None:
-            # In a multi-process job every rank builds its trainer after rank 0's start
-            # (a user's builder may hold collectives), then checks and restores it; a
-            # refusal on any rank is raised on all.
-            resume = (store, latest) if latest is not None else None
-            trainer = trainer_on_ranks(config, key, builder, dist, resume, allow)
-        undo.callback(trainer.close)
-        if latest is not None:
+        undo.callback(job.trainer.close)
+        if job.version is not None:
             log.info(
-                "resuming %s from version %d (step %d)", store.url, latest.version, latest.step
+                "resuming %s from version %d (step %d)",
+                job.store.url,
+                job.version.version,
+                job.version.step,
             )
-        records = job_records(config, trainer, key, key_file)
-        _precompute(trainer, store if coordinator else None, records, on_precompute)
-        ckpt = Checkpointer(store, async_write=config.async_checkpoint, keep_last=config.keep_last)
-        ckpt.set_parent(latest.manifest if latest else None)
-        session = JobSession(config, store, trainer, ckpt, records, latest, preempt, coordinator)
+        records = job_records(job.config, job.trainer, job.key, options.key_file)
+        store = job.store if job.coordinator else None
+        _precompute(job.trainer, store, records, options.on_precompute)
+        ckpt = Checkpointer(
+            job.store, async_write=job.config.async_checkpoint, keep_last=job.config.keep_last
+        )
+        ckpt.set_parent(job.version.manifest if job.version is not None else None)
+        session = JobSession(job, ckpt, records, preempt)
         undo.pop_all()  # the session owns the lease, the trainer and the handlers now
     return session
 
@@ -197,16 +166,13 @@ class JobSession:
 
     def __init__(
         self,
-        config: JobConfig,
-        store: Store,
-        trainer: DPTrainer,
+        job: StartedJob,
         ckpt: Checkpointer,
         records: JobRecords,
-        latest: Version | None,
         preempt: Preemption | None,
-        coordinator: bool,
     ) -> None:
-        self.config = config
+        latest, store, trainer, coordinator = job.version, job.store, job.trainer, job.coordinator
+        self.config = job.config
         self.store = store
         self.trainer = trainer
         self.resumed_from = latest.step if latest is not None else None

@@ -1,22 +1,31 @@
-"""Starting a job: every check first, then the first write (create the store, take the
-lease, keep a new job's key), so a refused start changes nothing.
+"""Starting a job, in one pass: every check first, then the first write (create the
+store, take the lease, keep a new job's key), so a refused start changes nothing. What
+it produces is one value, `StartedJob`: the config with the sigma that runs, the store,
+the version resumed from, the key, the allowances and the trainer.
 
-Under torch.distributed every rank builds and checks its parts before the coordinator
-writes (`parts_on_ranks`), and the ranks compare what they built (`rank_agreement`, as
-they compared their flags, store and key before); then the coordinator alone checks the
-store and writes while the others wait for its lease, key and version (`start_ranks`); a
-refusal on any rank is raised on every rank as it was raised, so all exit alike with
-nothing written.
+The store is opened once; a target epsilon is calibrated once, inside the start, against
+the version it resumes (`train.target_epsilon.resolve`: a new store calibrates, a resume
+takes the stored sigma). The parts' refusals are `build.check_parts`, run on every rank
+before anything is written.
+
+Under torch.distributed the ranks first agree on what they were asked
+(`rank_agreement.agree_on_request`); every rank builds and checks its parts
+(`parts_on_ranks`) and the ranks compare what they built; then the coordinator alone
+checks the store, decides sigma and writes while the others wait for its lease, key,
+sigma and version (`start_ranks`); a refusal on any rank is raised on every rank as it
+was raised, so all exit alike with nothing written.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
+from dataclasses import dataclass
 
+from cocoon_ckpt.dp import _validate as valid
 from cocoon_ckpt.keys import (
     check_key_file_place,
     key_id,
@@ -31,14 +40,17 @@ from cocoon_ckpt.train.allowances import ResumeAllowances
 from cocoon_ckpt.train.build import check_parts, job_parts
 from cocoon_ckpt.train.config import JobConfig
 from cocoon_ckpt.train.distributed import DistContext, check_distributed
+from cocoon_ckpt.train.options import JobOptions
 from cocoon_ckpt.train.parts import JobParts
 from cocoon_ckpt.train.rank_agreement import (
     agree_on,
+    agree_on_request,
     check_coordinator_key,
     found_key,
     parts_values,
 )
-from cocoon_ckpt.train.resume import check_records, prepare_trainer
+from cocoon_ckpt.train.resume import check_records, malformed_version, prepare_trainer
+from cocoon_ckpt.train.target_epsilon import resolve as resolve_sigma
 from cocoon_ckpt.train.trainer import DPTrainer
 from state import (
     CorruptVersionError,
@@ -50,53 +62,164 @@ from state import (
 )
 from state.paths import manifest_path
 
-__all__ = ["parts_on_ranks", "start_job", "start_ranks", "trainer_on_ranks"]
+__all__ = [
+    "StartedJob",
+    "parts_on_ranks",
+    "start_job",
+    "start_ranks",
+    "trainer_on_ranks",
+]
 
-log = logging.getLogger("cocoon_ckpt.train.runner")
+log = logging.getLogger(__name__)
+
+#: What a job is given to run: its parts, a builder of them, or None (`config.job`).
+Parts = JobParts | Callable[..., JobParts] | None
 
 
-def _open_existing(url: str, storage_options: dict[str, Any] | None, fs: Any) -> Store | None:
-    """The store at `url`, or None where there is none yet (nothing is created)."""
-    try:
-        return Store.open(url, storage_options=storage_options, fs=fs, create=False)
-    except StoreNotFoundError:
-        return None
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StartedJob:
+    """A job started: every check passed, the first write done.
+
+    Attributes:
+        config: The job as it runs: its sigma decided (calibrated for a new store, the
+            stored one on resume).
+        store: The job's store, opened once (the coordinator holds its writer lease).
+        version: The version the job resumes from; None for a new job.
+        key: The noise key (I1).
+        allow: The resume checks the user lifted.
+        trainer: This rank's trainer, built, checked and restored from `version`.
+        coordinator: Whether this process holds the lease and commits (every rank but
+            rank 0 of a multi-process job reads only).
+    """
+
+    config: JobConfig
+    store: Store
+    version: Version | None
+    key: bytes
+    allow: ResumeAllowances
+    trainer: DPTrainer
+    coordinator: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Found:
+    """What the store-side start settled: the trainer only where it was built there (one
+    process); a multi-process job's ranks build theirs after the coordinator's start."""
+
+    store: Store
+    version: Version | None
+    key: bytes
+    config: JobConfig
+    trainer: DPTrainer | None
 
 
 def start_job(
     config: JobConfig,
     store_url: str,
+    parts: Parts,
+    options: JobOptions,
     *,
-    storage_options: dict[str, Any] | None,
-    fs: Any,
-    builder: Callable[..., JobParts] | None,
-    key_file: str | None,
-    takeover: bool,
     dist: DistContext | None,
-    allow: ResumeAllowances,
     leased: list[Store] | None = None,
     hold: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
-) -> tuple[Store, Version | None, bytes, DPTrainer | None]:
-    """Check everything, then write for the first time: create the store, take the lease,
-    keep a new job's key. Returns the store (lease held), the version to resume from, the
-    key, and (single process) the trainer, built, checked and restored.
+) -> StartedJob:
+    """Start `config` on the store at `store_url`, or resume it from the newest valid
+    version: every check, then the first write.
 
-    `allow` lifts resume checks (`open_job`'s `ResumeAllowances`). The
-    lease is taken inside `hold()` (`Preemption.holding`: a signal there raises once it
-    is over) and the store appended to `leased` there, so the caller's record for
-    release holds every lease taken, whatever stops the start.
+    Args:
+        config: the job (sigma given, or a target epsilon this start calibrates).
+        store_url: where its versions live.
+        parts: the job's parts, a builder called as `builder(config)`, or None
+            (`config.job` resolved).
+        options: the key file, storage, takeover and the resume checks lifted.
+        dist: the job's ranks (None: one process).
+        leased: the store is appended here once its lease is taken, inside `hold()`
+            (`Preemption.holding`: a signal there raises once it is over), so the
+            caller's record for release holds every lease taken, whatever stops the start.
+        hold: a context that holds signals off while the lease is taken.
+
+    Raises:
+        ConfigError: `store_url` is empty, or a part is refused (`build.check_parts`).
+        ConfigMismatchError, NoiseKeyError, LeaseHeldError, CorruptVersionError,
+        PrivacyBudgetError: as `open_job` states.
+    """
+    valid.text("store_url", store_url)
+    # under torch.distributed the ranks first agree on what they were asked (nothing in
+    # one process)
+    agree_on_request(
+        config,
+        store_url,
+        key_file=options.key_file,
+        storage_options=options.storage_options,
+        fs=options.fs,
+    )
+    builder = (lambda _config: parts) if isinstance(parts, JobParts) else parts
+    if dist is not None:
+        builder = parts_on_ranks(config, builder, dist)
+    found = start_ranks(config, store_url, dist, builder, options, leased=leased, hold=hold)
+    trainer = found.trainer
+    if trainer is None:
+        # In a multi-process job every rank builds its trainer after rank 0's start
+        # (a user's builder may hold collectives), then checks and restores it; a
+        # refusal on any rank is raised on all.
+        resume = (found.store, found.version) if found.version is not None else None
+        trainer = trainer_on_ranks(found.config, found.key, builder, dist, resume, options.allow)
+    return StartedJob(
+        config=found.config,
+        store=found.store,
+        version=found.version,
+        key=found.key,
+        allow=options.allow,
+        trainer=trainer,
+        coordinator=dist is None or dist.is_coordinator,
+    )
+
+
+def _open_existing(url: str, options: JobOptions) -> Store | None:
+    """The store at `url`, or None where there is none yet (nothing is created)."""
+    try:
+        return Store.open(url, storage_options=options.storage_options, fs=options.fs, create=False)
+    except StoreNotFoundError:
+        return None
+
+
+def _with_sigma(
+    config: JobConfig, store: Store | None, latest: Version | None, url: str
+) -> JobConfig:
+    """`config` with its sigma decided, once: calibrated for a new job, the stored one on
+    resume (`target_epsilon.resolve`); a config without a target as it is."""
+    if store is None or latest is None:
+        return resolve_sigma(config, None, store.url if store is not None else url)
+    try:
+        return resolve_sigma(
+            config, latest.records["config"], f"{store.url} (version {latest.version})"
+        )
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise malformed_version(store, latest, exc) from None
+
+
+def _start_here(
+    asked: JobConfig,
+    store_url: str,
+    builder: Callable[..., JobParts] | None,
+    options: JobOptions,
+    dist: DistContext | None,
+    leased: list[Store] | None,
+    hold: Callable[[], AbstractContextManager[object]],
+) -> _Found:
+    """Check everything, then write for the first time: create the store, take the lease,
+    keep a new job's key (the coordinator's part of `start_job`; one process's whole
+    store-side start). Returns the store (lease held), the version to resume from, the
+    key, the config with its sigma and (single process) the trainer, built, checked and
+    restored.
 
     A writer that commits between the checks and the lease (possible with `takeover`)
     is caught: the checks run again, lease held, against its version.
-
-    Raises:
-        ConfigError: `config.dp.target_epsilon` is not calibrated yet (`open_job`
-            calibrates it: `train.target_epsilon.calibrated_job`), before anything opens.
     """
-    _ = config.dp.sigma  # the noise multiplier that will run, given or calibrated
+    key_file, allow = options.key_file, options.allow
     if key_file is not None:
         check_key_file_place(key_file, store_url)  # before the store is created
-    store = _open_existing(store_url, storage_options, fs)
+    store = _open_existing(store_url, options)
     try:
         for _ in range(2):
             seen = store.versions() if store is not None else []
@@ -105,6 +228,7 @@ def start_job(
             if store is not None:  # versions read, and the commits sealed, by the key
                 authenticate(store, key, allow)
             latest = _newest(store, key, allow) if store and seen else None
+            config = _with_sigma(asked, store, latest, store_url)
             resume = (store, latest) if store is not None and latest is not None else None
             trainer = None
             if dist is None:
@@ -113,17 +237,21 @@ def start_job(
                 check_records(*resume, config.to_record(), None, key, allow.generator_change)
             try:
                 if store is None:
-                    store = Store.open(store_url, storage_options=storage_options, fs=fs)
+                    store = Store.open(
+                        store_url, storage_options=options.storage_options, fs=options.fs
+                    )
                     authenticate(store, key, allow)
                 if store.lease is None:
                     with hold():
-                        store.acquire_lease(takeover=takeover, expiry_s=config.lease_expiry_s)
+                        store.acquire_lease(
+                            takeover=options.takeover, expiry_s=config.lease_expiry_s
+                        )
                         if leased is not None:
                             leased.append(store)
                 if store.versions()[-1:] == seen[-1:]:
                     if latest is None:
                         save_key(store, key_file, key)
-                    return store, latest, key, trainer
+                    return _Found(store, latest, key, config, trainer)
             except BaseException:
                 if trainer is not None:
                     trainer.close()
@@ -220,23 +348,30 @@ def start_ranks(
     store_url: str,
     dist: DistContext | None,
     builder: Callable[..., JobParts] | None,
-    **kw: Any,
-) -> tuple[Store, Version | None, bytes, DPTrainer | None]:
+    options: JobOptions,
+    *,
+    leased: list[Store] | None = None,
+    hold: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+) -> _Found:
     """The store (lease held by the coordinator), the version to resume from, the key,
-    and (single process) the trainer, checked and restored."""
+    the config with the coordinator's sigma, and (single process) the trainer, checked
+    and restored."""
     if dist is None:
-        return start_job(config, store_url, builder=builder, dist=None, **kw)
-    started: list[tuple[Store, Version | None, bytes, DPTrainer | None]] = []
+        return _start_here(config, store_url, builder, options, None, leased, hold)
+    started: list[_Found] = []
 
-    def start() -> tuple[int | None, str]:
-        started.append(start_job(config, store_url, builder=builder, dist=dist, **kw))
-        latest = started[0][1]
-        return (latest.version if latest is not None else None), key_id(started[0][2])
+    def start() -> tuple[int | None, str, float | None, bool]:
+        started.append(_start_here(config, store_url, builder, options, dist, leased, hold))
+        found = started[0]
+        dp = found.config.dp
+        version = found.version.version if found.version is not None else None
+        return version, key_id(found.key), dp.noise_multiplier, dp.is_calibrated
 
-    # the other ranks wait for the coordinator's lease, key and choice of version, and
-    # raise its refusal as it raised it
+    # the other ranks wait for the coordinator's lease, key, sigma and choice of version,
+    # and raise its refusal as it raised it: rank 0 alone calibrates, and every rank
+    # runs that float (a fit on another host could differ in its last bits)
     try:
-        version, coordinator_key = dist.from_coordinator(start)
+        version, coordinator_key, sigma, calibrated = dist.from_coordinator(start)
     except BaseException:
         _release(started)  # the broadcast of rank 0's "ok" failed after its lease
         raise
@@ -246,9 +381,10 @@ def start_ranks(
         # what only this rank reads (its host's key file, its view of the store) may fail
         # here alone: agreed, so no rank goes on to a collective another never reaches
         try:
-            opts, fs = kw["storage_options"], kw["fs"]
-            store = Store.open(store_url, storage_options=opts, fs=fs, create=False)
-            key = load_key(store, kw["key_file"])
+            store = Store.open(
+                store_url, storage_options=options.storage_options, fs=options.fs, create=False
+            )
+            key = load_key(store, options.key_file)
             # Every key visible before the first write was compared then
             # (`agree_on_request`): this one differs only where rank 0 made a new key and
             # the key file's path names another file here (another host's disk). A new
@@ -256,9 +392,9 @@ def start_ranks(
             # the network: ranks compare ids), so this check comes right after; refused,
             # the lease is released and no version was committed.
             check_coordinator_key(coordinator_key, key, dist.rank, dist.world)
-            authenticate(store, key, kw["allow"])
+            authenticate(store, key, options.allow)
             latest = store.read(version) if version is not None else None
-            mine.append((store, latest, key, None))
+            mine.append(_Found(store, latest, key, _sigma_of(config, sigma, calibrated), None))
         except BaseException as exc:
             failure = exc
     try:
@@ -269,10 +405,19 @@ def start_ranks(
     return mine[0]  # agree raised where any rank had none
 
 
-def _release(started: list[tuple[Store, Version | None, bytes, DPTrainer | None]]) -> None:
+def _sigma_of(config: JobConfig, sigma: float | None, calibrated: bool) -> JobConfig:
+    """`config` running the coordinator's sigma where a target epsilon decides it (the
+    ranks agreed on every other field, target included)."""
+    if config.dp.target_epsilon is None:
+        return config
+    dp = dataclasses.replace(config.dp, noise_multiplier=sigma, calibrated=calibrated)
+    return dataclasses.replace(config, dp=dp)
+
+
+def _release(started: list[_Found]) -> None:
     """The coordinator's lease released, where its start took one."""
     if started:
-        started[0][0].release_lease()
+        started[0].store.release_lease()
 
 
 def trainer_on_ranks(

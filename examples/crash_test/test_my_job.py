@@ -3,7 +3,7 @@
 Copy this file, point `config.job` at your `module:function`, and run pytest.
 """
 
-from cocoon_ckpt import DPConfig, JobConfig
+from cocoon_ckpt import DPConfig, JobConfig, JobOptions
 from fault_injection import verify
 
 config = JobConfig(
@@ -18,8 +18,7 @@ def test_my_job_resumes_with_exactly_the_same_noise(
 ):
     reference = golden_run(config)
     url, fs = faulty_store(seed=1, transient=0.1, lost_response=0.05)
-    trace, divergence = verify(
-        config, url, crash_schedule(config, n=3), reference, fs=fs, key_file=noise_key_file
-    )
+    options = JobOptions(fs=fs, key_file=noise_key_file)
+    trace, divergence = verify(config, url, crash_schedule(config, n=3), reference, options=options)
     assert divergence is None, str(divergence)
     assert trace.crashes  # the schedule really crashed the job

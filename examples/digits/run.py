@@ -28,7 +28,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import Dataset
 
-from cocoon_ckpt import DPConfig, JobConfig, JobParts, export_model, open_job
+from cocoon_ckpt import DPConfig, JobConfig, JobOptions, JobParts, export_model, open_job
 
 TRAIN = 1437  # the first 80% of load_digits' fixed order; the rest is the test set
 BATCH = 128  # the logical (Poisson) batch: what the privacy accounting sees
@@ -118,7 +118,7 @@ def main() -> None:
     dp = config.dp
     key = args.store.rstrip("/") + ".key"
     os.makedirs(os.path.dirname(os.path.abspath(args.store)), exist_ok=True)
-    with open_job(config, args.store, parts, key_file=key) as job:
+    with open_job(config, args.store, parts, options=JobOptions(key_file=key)) as job:
         if job.resumed_from is not None:
             print(f"resumed at step {job.resumed_from}")
         for step in job.steps():

@@ -21,6 +21,7 @@ from cocoon_ckpt._cli.main import main
 from cocoon_ckpt.tools.audit import audit_store
 from cocoon_ckpt.tools.catalog import collect_garbage, diff_versions, inspect_store
 from cocoon_ckpt.train.config import fingerprint
+from cocoon_ckpt.train.options import JobOptions
 from state import LeaseHeldError, Store, array_checksum
 
 from .conftest import job_config, reseal, tree
@@ -163,7 +164,7 @@ def test_world_readable_store_is_found(store: Path) -> None:
 
 def test_key_kept_outside_needs_key_file(tmp_path: Path) -> None:
     url, key = str(tmp_path / "k.zarr"), str(tmp_path / "key")
-    run_job(job_config("mlp", bands=4, steps=8), url, key_file=key)
+    run_job(job_config("mlp", bands=4, steps=8), url, options=JobOptions(key_file=key))
     with pytest.raises(NoiseKeyError, match="--key-file"):
         audit_store(url)
     report = audit_store(url, key_file=key, coordinates=16)

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from cocoon_ckpt import open_job, run_job
+from cocoon_ckpt.train.options import JobOptions
 from fault_injection import CrashPointHit, Trace, golden, verify
 from state import Store, hooks
 from state.retention import BEFORE_DELETE
@@ -42,7 +43,7 @@ def test_the_loop_and_the_next_write_go_on_while_retention_deletes(tmp_path: Pat
 
     hooks.arm(BEFORE_DELETE, hold)
     try:
-        with open_job(cfg, url, key_file=str(tmp_path / "k")) as job:
+        with open_job(cfg, url, options=JobOptions(key_file=str(tmp_path / "k"))) as job:
             for _ in job.steps(until=20):
                 pass  # versions at 5, 10, 15, 20: the one at 20 retires the one at 5
             assert entered.wait(120)
@@ -71,7 +72,9 @@ def test_close_waits_for_the_last_retention(tmp_path: Path) -> None:
 
     hooks.arm(BEFORE_DELETE, lag)
     try:
-        run_job(job_config(bands=4, steps=20), url, key_file=str(tmp_path / "k"))
+        run_job(
+            job_config(bands=4, steps=20), url, options=JobOptions(key_file=str(tmp_path / "k"))
+        )
     finally:
         hooks.disarm_all()
     assert slow
@@ -85,7 +88,7 @@ def test_a_crash_halfway_through_deletions_is_cleaned_and_resumes_exactly(
 ) -> None:
     cfg = job_config(bands=8, steps=24)
     key = str(tmp_path / "k")
-    reference = golden(cfg, str(tmp_path / "gold.zarr"), key_file=key)
+    reference = golden(cfg, str(tmp_path / "gold.zarr"), options=JobOptions(key_file=key))
     url = str(tmp_path / "run.zarr")
     hits: list[str] = []
     crashed = Trace()
@@ -98,7 +101,7 @@ def test_a_crash_halfway_through_deletions_is_cleaned_and_resumes_exactly(
     hooks.arm(BEFORE_DELETE, second)
     try:
         with pytest.raises(CrashPointHit):
-            run_job(cfg, url, key_file=key, on_step=crashed.record)
+            run_job(cfg, url, on_step=crashed.record, options=JobOptions(key_file=key))
     finally:
         hooks.disarm_all()
     assert hits[0] == "manifest" and hits[1] != "manifest"
@@ -111,7 +114,7 @@ def test_a_crash_halfway_through_deletions_is_cleaned_and_resumes_exactly(
     finally:
         store.release_lease()
     assert Store.open(url, create=False).space().unreachable == 0
-    _, divergence = verify(cfg, url, [], reference, crashed, key_file=key)
+    _, divergence = verify(cfg, url, [], reference, crashed, options=JobOptions(key_file=key))
     assert divergence is None, str(divergence)
     assert Store.open(url, create=False).latest().records["complete"]  # type: ignore[union-attr]
 
@@ -148,7 +151,7 @@ def test_a_job_shortens_the_switch_interval_while_it_writes_and_restores_it(
 
 _EXIT_IN_FLIGHT = """
 import sys, time
-from cocoon_ckpt import DPConfig, JobConfig, open_job
+from cocoon_ckpt import DPConfig, JobConfig, JobOptions, open_job
 from cocoon_ckpt.examples import mlp
 from cocoon_ckpt.train.checkpoint import ASYNC_FLUSH
 from state import hooks
@@ -156,7 +159,7 @@ from state import hooks
 url, key = sys.argv[1], sys.argv[2]
 dp = DPConfig(steps=12, batch_size=16, dataset_size=512, noise_multiplier=1.0, bands=4)
 cfg = JobConfig(job="example:mlp", dp=dp, checkpoint_every=5)
-job = open_job(cfg, url, mlp.build(cfg), key_file=key)
+job = open_job(cfg, url, mlp.build(cfg), options=JobOptions(key_file=key))
 for _ in job.steps(until=7):
     pass
 # the writer of step 7 starts only after the main thread has returned

@@ -23,6 +23,7 @@ from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.tiers.config import TierConfig
 from cocoon_ckpt.tools.audit import audit_store
+from cocoon_ckpt.train.options import JobOptions
 from cocoon_ckpt.train.target_epsilon import calibrate
 from cocoon_ckpt.train.trainer import DPTrainer
 from fault_injection import CrashPointHit, crash_at, disarm_all
@@ -51,7 +52,7 @@ def gold(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """One uninterrupted BLT job (the key in a file, shared by the resumed runs)."""
     root = tmp_path_factory.mktemp("blt")
     key = str(root / "k")
-    run_job(_config(), str(root / "gold.zarr"), key_file=key)
+    run_job(_config(), str(root / "gold.zarr"), options=JobOptions(key_file=key))
     return root / "gold.zarr", key
 
 
@@ -65,11 +66,11 @@ def test_stop_and_resume_is_bit_identical(gold: tuple[Path, str], tmp_path: Path
     root, key = gold
     url = str(tmp_path / "run.zarr")
     for stop in (3, 7):  # between checkpoints: the work since the last one is redone
-        run_job(_config(), url, key_file=key, stop_after=stop)
+        run_job(_config(), url, stop_after=stop, options=JobOptions(key_file=key))
     fitted = job_blt(STEPS, BANDS)
     job_blt.cache_clear()
     try:
-        res = run_job(_config(), url, key_file=key)
+        res = run_job(_config(), url, options=JobOptions(key_file=key))
         assert job_blt.cache_info().misses == 0  # the stored BLT ran: nothing was fitted
     finally:
         job_blt.cache_clear()
@@ -102,10 +103,10 @@ def test_a_crash_mid_step_resumes_bit_identical(
     crash_at(point, step=8)
     try:
         with pytest.raises(CrashPointHit):
-            run_job(_config(async_checkpoint=False), url, key_file=key)
+            run_job(_config(async_checkpoint=False), url, options=JobOptions(key_file=key))
     finally:
         disarm_all()
-    assert run_job(_config(), url, key_file=key).resumed_from == 5
+    assert run_job(_config(), url, options=JobOptions(key_file=key)).resumed_from == 5
     want, got = _model_arrays(root), _model_arrays(Path(url))
     assert all(np.array_equal(want[k], got[k]) for k in want)
 
@@ -115,11 +116,11 @@ def test_a_resume_on_the_far_tier_is_bit_identical(gold: tuple[Path, str], tmp_p
     noise does not depend on where they lie."""
     root, key = gold
     url = str(tmp_path / "far.zarr")
-    run_job(_config(), url, key_file=key, stop_after=7)
+    run_job(_config(), url, stop_after=7, options=JobOptions(key_file=key))
     far = TierConfig(
         device_bytes=1 << 26, host_bytes=0, far_bytes=1 << 30, counts={"device": 0, "far": 1}
     )
-    assert run_job(_config(tiers=far), url, key_file=key).resumed_from == 5
+    assert run_job(_config(tiers=far), url, options=JobOptions(key_file=key)).resumed_from == 5
     want, got = _model_arrays(root), _model_arrays(Path(url))
     assert all(np.array_equal(want[k], got[k]) for k in want)
     latest = Store.open(url, create=False).latest()
@@ -161,14 +162,14 @@ def test_epsilon_is_the_blt_accounting(gold: tuple[Path, str]) -> None:
 def test_a_changed_stored_blt_is_refused(gold: tuple[Path, str], tmp_path: Path) -> None:
     root, key = gold
     url = tmp_path / "s.zarr"
-    run_job(_config(), str(url), key_file=key, stop_after=7)
+    run_job(_config(), str(url), stop_after=7, options=JobOptions(key_file=key))
     for p in sorted((url / "manifests").glob("*.json")):
         doc = json.loads(p.read_text())
         mech = doc["records"]["mechanism"]
         mech["buf_decay"] = [x * 0.99 for x in mech["buf_decay"]]
         p.write_bytes(reseal(doc, key))  # behind the MACs: the derived sensitivity
     with pytest.raises(ConfigMismatchError, match="sensitivity"):
-        run_job(_config(), str(url), key_file=key)
+        run_job(_config(), str(url), options=JobOptions(key_file=key))
     # the audit derives the sensitivity from the stored BLT too
     report = audit_store(str(url), key_file=key, coordinates=8, seed=0)
     found = [f.message for f in report.findings if f.check == "accountant"]

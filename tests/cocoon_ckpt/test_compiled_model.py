@@ -22,6 +22,7 @@ from cocoon_ckpt.examples import mlp
 from cocoon_ckpt.train import parts as parts_module
 from cocoon_ckpt.train import trainer as trainer_module
 from cocoon_ckpt.train.config import JobConfig
+from cocoon_ckpt.train.options import JobOptions
 from cocoon_ckpt.train.parts import JobParts
 from state import Store
 
@@ -64,13 +65,13 @@ def test_a_store_resumes_across_compiling_bit_identical(
     builders = {"compiled": _compiled, "plain": mlp.build}
     cfg = job_config("mlp", bands=4, steps=12)
     key = str(tmp_path / "k")
-    run_job(cfg, str(tmp_path / "gold.zarr"), key_file=key)
+    run_job(cfg, str(tmp_path / "gold.zarr"), options=JobOptions(key_file=key))
     gold = _export(str(tmp_path / "gold.zarr"), tmp_path / "gold.pt")
     url = str(tmp_path / "run.zarr")
-    run_job(cfg, url, key_file=key, builder=builders[first], stop_after=7)
+    run_job(cfg, url, parts=builders[first], stop_after=7, options=JobOptions(key_file=key))
     shapes = Store.open(url, create=False).latest().records["model_shapes"]  # type: ignore[union-attr]
     assert set(shapes) == set(gold)  # no `_orig_mod.` in what the store records
-    res = run_job(cfg, url, key_file=key, builder=builders[then])
+    res = run_job(cfg, url, parts=builders[then], options=JobOptions(key_file=key))
     assert res.resumed_from == 5
     got = _export(url, tmp_path / "got.pt")
     assert set(got) == set(gold) and all(torch.equal(gold[k], got[k]) for k in gold)
@@ -87,7 +88,7 @@ def test_export_of_a_store_with_prefixed_names_loads_into_the_plain_model(
     monkeypatch.setattr(trainer_module, "uncompiled", lambda model: model)
     cfg = job_config("mlp", bands=2, steps=4)
     url = str(tmp_path / "old.zarr")
-    run_job(cfg, url, key_file=str(tmp_path / "k"), builder=_compiled)
+    run_job(cfg, url, parts=_compiled, options=JobOptions(key_file=str(tmp_path / "k")))
     shapes = Store.open(url, create=False).latest().records["model_shapes"]  # type: ignore[union-attr]
     assert all(k.startswith(COMPILED_PREFIX) for k in shapes)
     state = _export(url, tmp_path / "m.pt")

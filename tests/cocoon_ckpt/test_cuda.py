@@ -13,6 +13,7 @@ from cocoon_ckpt import JobConfig, run_job
 from cocoon_ckpt.examples import mlp
 from cocoon_ckpt.format.stored import model_state
 from cocoon_ckpt.train.build import build_trainer
+from cocoon_ckpt.train.options import JobOptions
 from cocoon_ckpt.train.parts import JobParts
 from state import Store
 
@@ -51,9 +52,12 @@ def test_a_job_runs_on_cuda_with_the_cpu_runs_noise() -> None:
 def test_a_resume_on_cuda_is_exact(tmp_path: Path) -> None:
     cfg = job_config("mlp", bands=4, steps=12)
     gold, run, key = str(tmp_path / "g.zarr"), str(tmp_path / "r.zarr"), str(tmp_path / "k")
-    run_job(cfg, gold, builder=on_cuda, key_file=key)
-    assert run_job(cfg, run, builder=on_cuda, stop_after=7, key_file=key).steps_done == 7
-    assert run_job(cfg, run, builder=on_cuda, key_file=key).resumed_from == 7
+    run_job(cfg, gold, parts=on_cuda, options=JobOptions(key_file=key))
+    assert (
+        run_job(cfg, run, parts=on_cuda, stop_after=7, options=JobOptions(key_file=key)).steps_done
+        == 7
+    )
+    assert run_job(cfg, run, parts=on_cuda, options=JobOptions(key_file=key)).resumed_from == 7
     a, b = (Store.open(u, create=False).latest() for u in (gold, run))
     assert a is not None and b is not None
     ma, mb = model_state(a), model_state(b)

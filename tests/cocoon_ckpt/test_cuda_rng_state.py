@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cocoon_ckpt import run_job
+from cocoon_ckpt.train.options import JobOptions
 from state import Store
 
 from .conftest import job_config
@@ -25,13 +26,15 @@ def test_cuda_generator_states_are_stored_and_restored(
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda got: restored.append(list(got)))
     cfg = job_config("mlp", bands=2, steps=8)
     url, key = str(tmp_path / "run.zarr"), str(tmp_path / "k")
-    run_job(cfg, url, key_file=key, stop_after=5)  # checkpoint_every=5
+    run_job(cfg, url, stop_after=5, options=JobOptions(key_file=key))  # checkpoint_every=5
     latest = Store.open(url, create=False).latest()
     assert latest is not None and latest.records["rng"]["cuda"] == 2
     for i, s in enumerate(states):
         assert torch.equal(torch.from_numpy(latest.array(f"rng/cuda/{i}")), s)
     assert restored == []
-    run_job(cfg, url, key_file=key)  # the resume sets them back before its first step
+    run_job(
+        cfg, url, options=JobOptions(key_file=key)
+    )  # the resume sets them back before its first step
     assert len(restored) == 1
     assert all(torch.equal(a, b) for a, b in zip(restored[0], states, strict=True))
 
@@ -43,8 +46,8 @@ def test_a_store_without_cuda_states_restores_none(
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", called.append)
     cfg = job_config("mlp", bands=2, steps=7)
     url, key = str(tmp_path / "run.zarr"), str(tmp_path / "k")
-    run_job(cfg, url, key_file=key, stop_after=5)
+    run_job(cfg, url, stop_after=5, options=JobOptions(key_file=key))
     latest = Store.open(url, create=False).latest()
     assert latest is not None and "cuda" not in latest.records["rng"]
-    run_job(cfg, url, key_file=key)
+    run_job(cfg, url, options=JobOptions(key_file=key))
     assert called == []

@@ -16,6 +16,7 @@ from cocoon_ckpt.errors import ConfigMismatchError
 from cocoon_ckpt.train import identity, trainer
 from cocoon_ckpt.train.build import build_trainer
 from cocoon_ckpt.train.device import model_device
+from cocoon_ckpt.train.options import JobOptions
 
 from .conftest import job_config
 
@@ -34,7 +35,7 @@ def test_a_cpu_store_refuses_a_resume_on_cuda(
 ) -> None:
     cfg = job_config("mlp", bands=2, steps=8)
     url, key = str(tmp_path / "s.zarr"), str(tmp_path / "k")
-    assert run_job(cfg, url, stop_after=5, key_file=key).steps_done == 5
+    assert run_job(cfg, url, stop_after=5, options=JobOptions(key_file=key)).steps_done == 5
     before = _tree(Path(url))
 
     def on_cuda(*args: Any, **kwargs: Any) -> Any:
@@ -45,7 +46,7 @@ def test_a_cpu_store_refuses_a_resume_on_cuda(
 
     monkeypatch.setattr(trainer, "job_identity", on_cuda)
     with pytest.raises(ConfigMismatchError, match=r"device.type: stored 'cpu', now 'cuda'") as info:
-        run_job(cfg, url, key_file=key)
+        run_job(cfg, url, options=JobOptions(key_file=key))
     assert info.value.differences == ["device.type: stored 'cpu', now 'cuda'"]
     assert _tree(Path(url)) == before  # refused before the first write
 

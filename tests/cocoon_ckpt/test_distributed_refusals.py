@@ -21,9 +21,9 @@ from cocoon_ckpt._cli.main import main
 from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.errors import ConfigError, ConfigMismatchError
 from cocoon_ckpt.format.stored import model_state
-from cocoon_ckpt.train.allowances import ResumeAllowances
 from cocoon_ckpt.train.build import job_parts
 from cocoon_ckpt.train.distributed import DistContext
+from cocoon_ckpt.train.options import JobOptions
 from cocoon_ckpt.train.rank_failure import packed, unpacked
 from cocoon_ckpt.train.runner import run_job
 from cocoon_ckpt.train.start import start_ranks
@@ -54,17 +54,17 @@ _ONE_RANK = """
 import socket, sys
 import torch, torch.distributed as dist
 from cocoon_ckpt.embedding.config import EmbeddingConfig
-from cocoon_ckpt.train.runner import run_job
+from cocoon_ckpt.train.runner import JobOptions, run_job
 from tests.cocoon_ckpt.conftest import job_config
 root = sys.argv[1]
 config = job_config("dlrm", bands=4, steps=10, embedding=EmbeddingConfig())
 torch.set_num_threads(1)
-run_job(config, root + "/one.zarr", key_file=root + "/k")
+run_job(config, root + "/one.zarr", options=JobOptions(key_file=root + "/k"))
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-run_job(config, root + "/rank.zarr", key_file=root + "/k")
+run_job(config, root + "/rank.zarr", options=JobOptions(key_file=root + "/k"))
 """
 
 
@@ -200,7 +200,7 @@ def test_a_rank_that_cannot_open_the_store_stops_the_coordinator_lease_released(
 ) -> None:
     url, key = str(tmp_path / "run.zarr"), tmp_path / "k"
     config = job_config("mlp", bands=2, steps=4)
-    run_job(config, url, key_file=str(key))
+    run_job(config, url, options=JobOptions(key_file=str(key)))
     # rank 1's host has no key file where the job names one
     missing = FileNotFoundError(2, "No such file or directory", str(key))
     rank0: Any = _Rank0(missing)
@@ -210,11 +210,7 @@ def test_a_rank_that_cannot_open_the_store_stops_the_coordinator_lease_released(
             url,
             rank0,
             None,
-            storage_options=None,
-            key_file=str(key),
-            takeover=False,
-            allow=ResumeAllowances(),
-            fs=None,
+            JobOptions(key_file=str(key)),
         )
     assert str(caught.value) == str(missing)  # rank 1's error, path included
     holder = Store.open(url, create=False).lease_holder()

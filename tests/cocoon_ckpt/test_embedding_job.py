@@ -16,6 +16,7 @@ from cocoon_ckpt import DPConfig, DPTrainer, JobConfig, export_model, run_job
 from cocoon_ckpt.embedding import EmbeddingConfig, TableMode
 from cocoon_ckpt.errors import ConfigMismatchError
 from cocoon_ckpt.format.stored import model_state
+from cocoon_ckpt.train.options import JobOptions
 from cocoon_ckpt.train.runner import build_trainer
 from state import Store, StoreError
 
@@ -100,10 +101,10 @@ def test_stop_and_resume_is_bit_exact_and_the_csc_is_written_once(
 ) -> None:
     cfg = _config(mode, bands=bands)
     key = str(tmp_path / "k")
-    run_job(cfg, str(tmp_path / "gold"), key_file=key)
+    run_job(cfg, str(tmp_path / "gold"), options=JobOptions(key_file=key))
     for stop in (1, 6, 9):  # before the first checkpoint, mid-way, just after one
-        run_job(cfg, str(tmp_path / "run"), key_file=key, stop_after=stop)
-    run_job(cfg, str(tmp_path / "run"), key_file=key)
+        run_job(cfg, str(tmp_path / "run"), stop_after=stop, options=JobOptions(key_file=key))
+    run_job(cfg, str(tmp_path / "run"), options=JobOptions(key_file=key))
     gold = model_state(Store.open(str(tmp_path / "gold"), create=False).latest())  # type: ignore[arg-type]
     store = Store.open(str(tmp_path / "run"), create=False)
     got = model_state(store.latest())  # type: ignore[arg-type]
@@ -159,10 +160,10 @@ def test_lr_schedule_is_exact(tmp_path: Path) -> None:
 
 def test_unfinished_final_model_job_is_not_exported(tmp_path: Path) -> None:
     store, key = str(tmp_path / "s"), str(tmp_path / "k")
-    run_job(_config(), store, key_file=key, stop_after=5)
+    run_job(_config(), store, stop_after=5, options=JobOptions(key_file=key))
     with pytest.raises(StoreError, match="final_model.*must not be released"):
         export_model(store, str(tmp_path / "m.pt"), allow_incomplete=True, key_file=key)
-    run_job(_config(), store, key_file=key)
+    run_job(_config(), store, options=JobOptions(key_file=key))
     # finished, but without the key file its step count is not authenticated
     with pytest.raises(StoreError, match="not authenticated by a key file kept apart"):
         export_model(store, str(tmp_path / "m.pt"))

@@ -29,6 +29,7 @@ from cocoon_ckpt.train import ghost
 from cocoon_ckpt.train.config import JobConfig
 from cocoon_ckpt.train.ghost import GhostGrads
 from cocoon_ckpt.train.grads import PerSampleGrads
+from cocoon_ckpt.train.options import JobOptions
 from cocoon_ckpt.train.parts import JobParts
 from state import Store
 
@@ -327,10 +328,15 @@ def _ghost_config() -> JobConfig:
 def test_a_ghost_job_stopped_and_resumed_ends_bit_identical(tmp_path: Path) -> None:
     cfg, key = _ghost_config(), str(tmp_path / "k")
     gold, run = str(tmp_path / "gold.zarr"), str(tmp_path / "run.zarr")
-    run_job(cfg, gold, builder=tiny_lm, key_file=key)
+    run_job(cfg, gold, parts=tiny_lm, options=JobOptions(key_file=key))
     for stop in (3, 7):
-        assert run_job(cfg, run, builder=tiny_lm, stop_after=stop, key_file=key).steps_done == stop
-    assert run_job(cfg, run, builder=tiny_lm, key_file=key).resumed_from == 5
+        assert (
+            run_job(
+                cfg, run, parts=tiny_lm, stop_after=stop, options=JobOptions(key_file=key)
+            ).steps_done
+            == stop
+        )
+    assert run_job(cfg, run, parts=tiny_lm, options=JobOptions(key_file=key)).resumed_from == 5
     a, b = Store.open(gold, create=False).latest(), Store.open(run, create=False).latest()
     assert a is not None and b is not None
 
@@ -339,7 +345,7 @@ def test_a_ghost_job_stopped_and_resumed_ends_bit_identical(tmp_path: Path) -> N
     # the vmap job of the same config differs (other GEMMs), and resuming under it is refused
     with pytest.raises(ConfigMismatchError, match=r"dp.clipping: stored 'ghost', now 'vmap'"):
         vmap_cfg = dataclasses.replace(cfg, dp=dataclasses.replace(cfg.dp, clipping="vmap"))
-        run_job(vmap_cfg, run, builder=tiny_lm, key_file=key)
+        run_job(vmap_cfg, run, parts=tiny_lm, options=JobOptions(key_file=key))
 
 
 @pytest.mark.slow
@@ -351,7 +357,7 @@ def test_a_ghost_job_sigkilled_after_a_commit_resumes_bit_identical(tmp_path: Pa
         kill._config(), dp=dataclasses.replace(kill._config().dp, clipping="ghost")
     )
     key, gold, url = tmp_path / "noise.key", str(tmp_path / "gold.zarr"), str(tmp_path / "r.zarr")
-    run_job(cfg, gold, key_file=str(key), builder=real_job.build)
+    run_job(cfg, gold, parts=real_job.build, options=JobOptions(key_file=str(key)))
     job = tmp_path / "job.json"
     job.write_text(json.dumps(cfg.to_record()))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(kill.ROOT), *sys.path])}

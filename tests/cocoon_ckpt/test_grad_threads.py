@@ -23,6 +23,7 @@ from cocoon_ckpt.train import job_records as job_records_mod
 from cocoon_ckpt.train import session, start
 from cocoon_ckpt.train.allowances import ResumeAllowances
 from cocoon_ckpt.train.job_records import REQUIRED, job_records
+from cocoon_ckpt.train.options import JobOptions
 from cocoon_ckpt.train.runner import build_trainer
 from state import Store
 
@@ -39,9 +40,9 @@ CFG = JobConfig(
 RESUME = """
 import json, sys, torch
 torch.set_num_threads(1)
-from cocoon_ckpt import JobConfig, run_job
+from cocoon_ckpt import JobConfig, JobOptions, run_job
 cfg = JobConfig.from_record(json.loads(sys.argv[1]))
-run_job(cfg, sys.argv[2], key_file=sys.argv[3])
+run_job(cfg, sys.argv[2], options=JobOptions(key_file=sys.argv[3]))
 print(torch.get_num_threads())
 """
 
@@ -80,7 +81,7 @@ def threads_matter() -> bool:
 def _gold(tmp_path: Path) -> tuple[str, dict[str, torch.Tensor]]:
     key = str(tmp_path / "k")
     with fixed_threads(2):
-        run_job(CFG, str(tmp_path / "gold.zarr"), key_file=key)
+        run_job(CFG, str(tmp_path / "gold.zarr"), options=JobOptions(key_file=key))
     return key, _params(str(tmp_path / "gold.zarr"))
 
 
@@ -107,7 +108,7 @@ def test_resume_on_one_thread_in_a_fresh_process_is_bit_identical(tmp_path: Path
     key, gold = _gold(tmp_path)
     url = str(tmp_path / "run.zarr")
     with fixed_threads(2):
-        run_job(CFG, url, key_file=key, stop_after=7)  # newest version: step 5
+        run_job(CFG, url, stop_after=7, options=JobOptions(key_file=key))  # newest version: step 5
     assert records_of(Store.open(url, create=False).latest())["grad_threads"] == 2  # type: ignore[arg-type]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
@@ -142,11 +143,11 @@ def test_old_store_resumes_at_the_current_count_and_records_it(
     with monkeypatch.context() as m, fixed_threads(2):
         m.setattr(session, "job_records", without_record)
         m.setattr(job_records_mod, "REQUIRED", tuple(set(REQUIRED) - {"grad_threads"}))
-        run_job(CFG, url, key_file=key, stop_after=7)
+        run_job(CFG, url, stop_after=7, options=JobOptions(key_file=key))
     assert "grad_threads" not in records_of(Store.open(url, create=False).latest())  # type: ignore[arg-type]
     caplog.set_level(logging.INFO, "cocoon_ckpt.train.grad_threads")
     with fixed_threads(1):
-        run_job(CFG, url, key_file=key)
+        run_job(CFG, url, options=JobOptions(key_file=key))
     assert not caplog.records  # nothing restored, nothing to say
     # other bits exactly where this machine's thread count changes them
     assert _same(_params(url), gold) is not threads_matter
@@ -160,10 +161,10 @@ def test_resume_logs_the_restored_count_once(
     key, gold = _gold(tmp_path)
     url = str(tmp_path / "run.zarr")
     with fixed_threads(2):
-        run_job(CFG, url, key_file=key, stop_after=7)
+        run_job(CFG, url, stop_after=7, options=JobOptions(key_file=key))
     caplog.set_level(logging.INFO, "cocoon_ckpt.train.grad_threads")
     with fixed_threads(1):
-        run_job(CFG, url, key_file=key)
+        run_job(CFG, url, options=JobOptions(key_file=key))
         assert torch.get_num_threads() == 1
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "recorded 2 torch threads" in said[0]
@@ -176,15 +177,15 @@ def test_another_explicit_count_on_resume_is_refused_and_nothing_written(
     key = str(tmp_path / "k")
     url = str(tmp_path / "run.zarr")
     with fixed_threads(2):
-        run_job(CFG, url, key_file=key, stop_after=7)
+        run_job(CFG, url, stop_after=7, options=JobOptions(key_file=key))
     before = Store.open(url, create=False).versions()
     with pytest.raises(ConfigMismatchError, match=r"grad_threads=2.*grad_threads=1") as err:
-        run_job(dataclasses.replace(CFG, grad_threads=1), url, key_file=key)
+        run_job(dataclasses.replace(CFG, grad_threads=1), url, options=JobOptions(key_file=key))
     assert err.value.differences == ["grad_threads: stored 2, now 1"]
     assert Store.open(url, create=False).versions() == before
     # the stored count asked for explicitly (JobConfig.grad_threads, --grad-threads) is
     # accepted, and it is not part of the fingerprint
-    run_job(dataclasses.replace(CFG, grad_threads=2), url, key_file=key)
+    run_job(dataclasses.replace(CFG, grad_threads=2), url, options=JobOptions(key_file=key))
     assert Store.open(url, create=False).latest().step == CFG.dp.steps  # type: ignore[union-attr]
 
 

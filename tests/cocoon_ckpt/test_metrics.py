@@ -29,6 +29,7 @@ from cocoon_ckpt.format.metrics import (
 )
 from cocoon_ckpt.tools.audit import audit_store
 from cocoon_ckpt.tools.catalog import inspect_store
+from cocoon_ckpt.train.options import JobOptions
 from fault_injection import CrashPointHit, crash_at, disarm_all
 from state import Store
 
@@ -49,7 +50,12 @@ def gold(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[StepResul
     root = tmp_path_factory.mktemp("metrics")
     results: list[StepResult] = []
     key = str(root / "k")
-    run_job(CFG, str(root / "gold.zarr"), key_file=key, on_step=lambda r, _t: results.append(r))
+    run_job(
+        CFG,
+        str(root / "gold.zarr"),
+        on_step=lambda r, _t: results.append(r),
+        options=JobOptions(key_file=key),
+    )
     return root / "gold.zarr", results
 
 
@@ -83,12 +89,14 @@ def test_a_crash_then_resume_stores_each_step_once(
     crash_at("trainer.after_update", step=13)  # after the version of step 10
     try:
         with pytest.raises(CrashPointHit):
-            run_job(cfg, url, key_file=key)
+            run_job(cfg, url, options=JobOptions(key_file=key))
     finally:
         disarm_all()
     assert _curve(url)["loss"].steps == list(range(10))
-    run_job(cfg, url, key_file=key, stop_after=17)  # steps 10..16 again, 15 checkpointed
-    res = run_job(cfg, url, key_file=key)
+    run_job(
+        cfg, url, stop_after=17, options=JobOptions(key_file=key)
+    )  # steps 10..16 again, 15 checkpointed
+    res = run_job(cfg, url, options=JobOptions(key_file=key))
     assert res.resumed_from == 15
     got, want = _curve(url)["loss"], _curve(str(gold[0]))["loss"]
     assert got.steps == list(range(24)) and got == want
@@ -96,12 +104,12 @@ def test_a_crash_then_resume_stores_each_step_once(
 
 def test_the_loops_scalars_round_trip_through_a_resume(tmp_path: Path) -> None:
     url, key = str(tmp_path / "own.zarr"), str(tmp_path / "k")
-    with open_job(CFG, url, mlp_job.build(CFG), key_file=key) as job:
+    with open_job(CFG, url, mlp_job.build(CFG), options=JobOptions(key_file=key)) as job:
         for res in job.steps(until=7):
             job.log(lr=0.1 * res.step)
             if res.step % 3 == 2:
                 job.log(res.step, accuracy=res.step / 100, top5=1)
-    with open_job(CFG, url, mlp_job.build(CFG), key_file=key) as job:
+    with open_job(CFG, url, mlp_job.build(CFG), options=JobOptions(key_file=key)) as job:
         assert job.metrics.series("lr").steps == list(range(7))
         for res in job.steps():
             job.log(lr=0.1 * res.step)
@@ -129,7 +137,7 @@ def test_the_loops_scalars_round_trip_through_a_resume(tmp_path: Path) -> None:
 def test_refused_scalars_name_the_reason(tmp_path: Path) -> None:
     url, key = str(tmp_path / "r.zarr"), str(tmp_path / "k")
     cfg = job_config("mlp", bands=2, steps=12)
-    with open_job(cfg, url, mlp_job.build(cfg), key_file=key) as job:
+    with open_job(cfg, url, mlp_job.build(cfg), options=JobOptions(key_file=key)) as job:
         with pytest.raises(MetricsError, match=r"step -1 .* \[0, 0\)"):
             job.log(acc=1.0)  # no step taken yet
         steps = [res.step for res in job.steps(until=6)]

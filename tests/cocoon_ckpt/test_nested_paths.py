@@ -141,7 +141,7 @@ def test_a_deeply_nested_part_state_is_refused_before_anything_is_written(
 ) -> None:
     url = str(tmp_path / "s.zarr")
     with pytest.raises(Exception, match=f"nests deeper than {MAX_PART_DEPTH} levels") as e:
-        run_job(job_config("mlp", bands=2, steps=4), url, builder=_with({"deep": Deep(depth)}))
+        run_job(job_config("mlp", bands=2, steps=4), url, parts=_with({"deep": Deep(depth)}))
     assert "stateful/deep" in str(e.value) and type(e.value).__name__ == "ConfigError"
     assert not Path(url).exists()
 
@@ -163,7 +163,7 @@ def test_the_deepest_part_state_allowed_fits_a_manifest() -> None:
 
 def test_non_finite_numbers_in_a_part_state_are_tagged_never_bare(tmp_path: Path) -> None:
     url = str(tmp_path / "s.zarr")
-    run_job(job_config("mlp", bands=2, steps=4), url, builder=_with({"odd": Odd()}))
+    run_job(job_config("mlp", bands=2, steps=4), url, parts=_with({"odd": Odd()}))
     latest = Store.open(url, create=False).latest()
     assert latest is not None
     for path in (tmp_path / "s.zarr" / "manifests").glob("*.json"):

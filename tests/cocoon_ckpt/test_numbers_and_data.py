@@ -25,6 +25,7 @@ from cocoon_ckpt.dp.sampler import CyclicPoissonSampler
 from cocoon_ckpt.format.stored import model_state
 from cocoon_ckpt.keys import KEY_BYTES, create_key_file
 from cocoon_ckpt.train.config import MAX_LR, MIN_LEASE_EXPIRY_S, DPConfig, JobConfig
+from cocoon_ckpt.train.options import JobOptions
 from state import Store
 
 SMALL = (
@@ -476,7 +477,7 @@ def test_a_loop_that_catches_the_refusal_commits_nothing_of_the_step(
     x[bad, 0] = float("nan")
     parts = dataclasses.replace(parts, data=None, dataset=(x, y))
     store = tmp_path / "s.zarr"
-    job = open_job(config, str(store), parts, key_file=str(tmp_path / "k"))
+    job = open_job(config, str(store), parts, options=JobOptions(key_file=str(tmp_path / "k")))
     with pytest.raises(NonFiniteGradientError) as refused:
         for _ in job.steps():
             pass

@@ -14,6 +14,7 @@ from cocoon_ckpt import open_job
 from cocoon_ckpt.dp.accounting.amplified import epsilon
 from cocoon_ckpt.examples import mlp as mlp_job
 from cocoon_ckpt.tools.plots import epsilon_curve, write_plots
+from cocoon_ckpt.train.options import JobOptions
 from state import Store
 
 from .conftest import job_config
@@ -48,7 +49,9 @@ def figures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("plots")
     cfg = job_config("mlp", bands=4, steps=12)
     url = str(root / "s.zarr")
-    with open_job(cfg, url, mlp_job.build(cfg), key_file=str(root / "k")) as job:
+    with open_job(
+        cfg, url, mlp_job.build(cfg), options=JobOptions(key_file=str(root / "k"))
+    ) as job:
         for res in job.steps():
             if res.step % 4 == 3:
                 job.log(accuracy=0.5 + res.step / 100)

@@ -21,6 +21,7 @@ from cocoon_ckpt import DPTrainer, JobConfig, StepResult, run_job
 from cocoon_ckpt._cli.main import main
 from cocoon_ckpt.errors import PreemptedError
 from cocoon_ckpt.examples import mlp as mlp_job
+from cocoon_ckpt.train.options import JobOptions
 from cocoon_ckpt.train.parts import JobParts
 from state import Store
 
@@ -91,10 +92,10 @@ def test_sigterm_mid_run_commits_the_step_releases_the_lease_and_resumes_exactly
 
     # resume (no --takeover needed: the lease was released) and compare with a run
     # that was never stopped, both with the same key
-    resumed = run_job(_config(), url, key_file=str(key), builder=_fast_build)
+    resumed = run_job(_config(), url, parts=_fast_build, options=JobOptions(key_file=str(key)))
     assert resumed.resumed_from == stopped and resumed.steps_done == STEPS
     gold = str(tmp_path / "gold.zarr")
-    run_job(_config(), gold, key_file=str(key), builder=_fast_build)
+    run_job(_config(), gold, parts=_fast_build, options=JobOptions(key_file=str(key)))
     a, b = _model(url), _model(gold)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -125,7 +126,7 @@ def test_a_signal_before_training_stops_at_once_and_writes_nothing(tmp_path: Pat
         return mlp_job.build(config)
 
     with pytest.raises(PreemptedError, match="stopped by SIGTERM before a checkpoint"):
-        run_job(job_config(bands=4), str(tmp_path / "s.zarr"), builder=build)
+        run_job(job_config(bands=4), str(tmp_path / "s.zarr"), parts=build)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -30,6 +30,7 @@ from cocoon_ckpt import JobConfig, run_job
 from cocoon_ckpt.dp.sampler import CyclicPoissonSampler
 from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.train.data import make_loader
+from cocoon_ckpt.train.options import JobOptions
 from state import Store
 
 from . import real_job
@@ -56,7 +57,7 @@ def gold(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     """The uninterrupted run (in this process) and the key file every run shares."""
     root = tmp_path_factory.mktemp("group")
     key, url = root / "noise.key", str(root / "gold.zarr")
-    done = run_job(_config(), url, key_file=str(key), builder=real_job.build)
+    done = run_job(_config(), url, parts=real_job.build, options=JobOptions(key_file=str(key)))
     assert done.steps_done == STEPS and done.resumed_from is None
     return url, key
 

@@ -15,8 +15,8 @@ import pytest
 
 from cocoon_ckpt._cli.main import main
 from cocoon_ckpt.keys import create_key_file, key_id, new_key
-from cocoon_ckpt.train.allowances import ResumeAllowances
 from cocoon_ckpt.train.distributed import DistContext
+from cocoon_ckpt.train.options import JobOptions
 from cocoon_ckpt.train.rank_agreement import RankDisagreementError, agree_on
 from cocoon_ckpt.train.runner import run_job
 from cocoon_ckpt.train.start import start_ranks
@@ -183,7 +183,7 @@ class _Rank1:
         self.sent = coordinator_key_id
 
     def broadcast_object(self, obj: object) -> object:
-        return ("ok", (None, self.sent))
+        return ("ok", (None, self.sent, None, False))  # version, key id, sigma, calibrated
 
     def all_gather_object(self, obj: object) -> list[object]:
         return [None, obj]
@@ -194,7 +194,7 @@ def test_a_rank_reading_another_key_after_rank_0_made_it_is_refused(tmp_path: Pa
     # holds another key (no shared disk): refused by id once rank 1 reads it
     url, key = str(tmp_path / "run.zarr"), tmp_path / "k"
     config = job_config("mlp", bands=2, steps=4)
-    run_job(config, url, key_file=str(key))
+    run_job(config, url, options=JobOptions(key_file=str(key)))
     coordinator = key_id(bytes(32))
     before = tree(tmp_path)
     rank1: DistContext = _Rank1(coordinator)  # type: ignore[assignment]
@@ -204,11 +204,7 @@ def test_a_rank_reading_another_key_after_rank_0_made_it_is_refused(tmp_path: Pa
             url,
             rank1,
             None,
-            storage_options=None,
-            key_file=str(key),
-            takeover=False,
-            allow=ResumeAllowances(),
-            fs=None,
+            JobOptions(key_file=str(key)),
         )
     mine = key_id(key.read_bytes())
     assert caught.value.differences == [f"key: rank 0 key id {coordinator}, rank 1 key id {mine}"]

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from cocoon_ckpt import JobConfig, run_job
+from cocoon_ckpt.train.options import JobOptions
 from state import Store
 
 from . import real_job
@@ -51,7 +52,7 @@ def gold(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     """The uninterrupted run (in this process) and the key file every run shares."""
     root = tmp_path_factory.mktemp("real-job")
     key, url = root / "noise.key", str(root / "gold.zarr")
-    done = run_job(_config(), url, key_file=str(key), builder=real_job.build)
+    done = run_job(_config(), url, parts=real_job.build, options=JobOptions(key_file=str(key)))
     assert done.steps_done == STEPS and done.resumed_from is None
     return url, key
 
@@ -166,6 +167,6 @@ def test_sigterm_mid_run_commits_releases_and_resumes_exactly(
     assert holder is not None and holder["released"]
 
     # resumed here (no --takeover: the lease was released), ends as the uninterrupted run
-    done = run_job(_config(), url, key_file=str(key), builder=real_job.build)
+    done = run_job(_config(), url, parts=real_job.build, options=JobOptions(key_file=str(key)))
     assert done.resumed_from == stopped and done.steps_done == STEPS
     _assert_same_final(gold_url, url, f"stopped after step {stopped}")

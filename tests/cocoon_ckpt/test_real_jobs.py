@@ -27,6 +27,7 @@ from cocoon_ckpt.train import config as cfgmod
 from cocoon_ckpt.train.build import build_trainer
 from cocoon_ckpt.train.config import NOISE_RNGS, OPTIMIZERS
 from cocoon_ckpt.train.lr_schedule import lr_schedule_ahead
+from cocoon_ckpt.train.options import JobOptions
 from cocoon_ckpt.train.parts import JobParts
 from cocoon_ckpt.train.trainer import DPTrainer
 from state import Store
@@ -151,12 +152,29 @@ def test_scheduler_and_stateful_resume_bit_for_bit(tmp_path: Path) -> None:
     resumed, the job ends as the uninterrupted one (model, scheduler, EMA)."""
     cfg = _config()
     gold, run = str(tmp_path / "gold.zarr"), str(tmp_path / "run.zarr")
-    run_job(cfg, gold, builder=builder(), on_step=_ema_step, key_file=str(tmp_path / "k"))
+    run_job(
+        cfg,
+        gold,
+        parts=builder(),
+        on_step=_ema_step,
+        options=JobOptions(key_file=str(tmp_path / "k")),
+    )
     first = run_job(
-        cfg, run, builder=builder(), on_step=_ema_step, stop_after=10, key_file=str(tmp_path / "k")
+        cfg,
+        run,
+        parts=builder(),
+        on_step=_ema_step,
+        stop_after=10,
+        options=JobOptions(key_file=str(tmp_path / "k")),
     )
     assert first.steps_done == 10
-    again = run_job(cfg, run, builder=builder(), on_step=_ema_step, key_file=str(tmp_path / "k"))
+    again = run_job(
+        cfg,
+        run,
+        parts=builder(),
+        on_step=_ema_step,
+        options=JobOptions(key_file=str(tmp_path / "k")),
+    )
     assert again.resumed_from == 10
     (ma, sa, ea), (mb, sb, eb) = _final(gold, cfg), _final(run, cfg)
     assert all(torch.equal(ma[k], mb[k]) for k in ma)
@@ -170,7 +188,14 @@ def stopped(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """A store of the user job stopped at step 5, and its key file."""
     root = tmp_path_factory.mktemp("stopped")
     url, key = str(root / "s.zarr"), str(root / "k")
-    run_job(_config(), url, builder=builder(), on_step=_ema_step, stop_after=5, key_file=key)
+    run_job(
+        _config(),
+        url,
+        parts=builder(),
+        on_step=_ema_step,
+        stop_after=5,
+        options=JobOptions(key_file=key),
+    )
     return url, key
 
 
@@ -189,7 +214,13 @@ def test_resume_with_other_real_objects_is_refused(
     url, key = stopped
     before = _tree(Path(url))
     with pytest.raises(ConfigMismatchError, match=difference) as info:
-        run_job(_config(), url, builder=builder(**change), on_step=_ema_step, key_file=key)
+        run_job(
+            _config(),
+            url,
+            parts=builder(**change),
+            on_step=_ema_step,
+            options=JobOptions(key_file=key),
+        )
     assert len(info.value.differences) == 1
     assert _tree(Path(url)) == before  # refused before the first write
 
@@ -198,14 +229,16 @@ def test_resume_with_another_physical_batch_is_refused(stopped: tuple[str, str])
     url, key = stopped
     before = _tree(Path(url))
     with pytest.raises(ConfigMismatchError, match=r"dp.physical_batch_size: stored 8, now 4"):
-        run_job(_config(physical_batch_size=4), url, builder=builder(), key_file=key)
+        run_job(
+            _config(physical_batch_size=4), url, parts=builder(), options=JobOptions(key_file=key)
+        )
     assert _tree(Path(url)) == before
 
 
 def test_resume_with_another_noise_rng_is_refused(stopped: tuple[str, str]) -> None:
     url, key = stopped
     with pytest.raises(ConfigMismatchError, match=r"dp.noise_rng: stored 'default', now 'secure'"):
-        run_job(_config(noise_rng="secure"), url, builder=builder(), key_file=key)
+        run_job(_config(noise_rng="secure"), url, parts=builder(), options=JobOptions(key_file=key))
     with pytest.raises(GeneratorMismatchError, match="noise_rng=secure"):
         from cocoon_ckpt.dp.generator import check_generator_backend
 

@@ -24,6 +24,7 @@ from cocoon_ckpt.errors import (
     NoiseKeyError,
 )
 from cocoon_ckpt.keys import create_key_file, key_id, read_key_file
+from cocoon_ckpt.train.options import JobOptions
 from cocoon_ckpt.train.parts import JobParts
 from state import CorruptVersionError, Store
 
@@ -39,7 +40,7 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two committed 4-step stores: one keeping its key inside, one with a key file."""
     root = tmp_path_factory.mktemp("committed")
     run_job(_small(), str(root / "s.zarr"))
-    run_job(_small(), str(root / "k.zarr"), key_file=str(root / "noise.key"))
+    run_job(_small(), str(root / "k.zarr"), options=JobOptions(key_file=str(root / "noise.key")))
     return root
 
 
@@ -65,7 +66,9 @@ def test_takeover_refused_for_a_mismatch_does_not_fence_the_running_writer(work:
     lease = holder.acquire_lease()  # this process is the healthy running writer
     before = tree(work)
     with pytest.raises(ConfigMismatchError):
-        run_job(job_config(bands=1, steps=4), str(work / "s.zarr"), takeover=True)
+        run_job(
+            job_config(bands=1, steps=4), str(work / "s.zarr"), options=JobOptions(takeover=True)
+        )
     assert tree(work) == before
     lease.check()  # still the store's writer: not fenced
     holder.release_lease()
@@ -75,7 +78,10 @@ def test_failing_builder_creates_no_store_and_no_key(tmp_path: Path) -> None:
     for key_file in (None, str(tmp_path / "noise.key")):
         with pytest.raises(RuntimeError, match="builder failed"):
             run_job(
-                _small(), str(tmp_path / "new.zarr"), builder=_failing_builder, key_file=key_file
+                _small(),
+                str(tmp_path / "new.zarr"),
+                parts=_failing_builder,
+                options=JobOptions(key_file=key_file),
             )
         assert list(tmp_path.iterdir()) == []
 
@@ -83,7 +89,7 @@ def test_failing_builder_creates_no_store_and_no_key(tmp_path: Path) -> None:
 def test_failing_builder_on_resume_changes_nothing(work: Path) -> None:
     before = tree(work)
     with pytest.raises(RuntimeError, match="builder failed"):
-        run_job(_small(), str(work / "s.zarr"), builder=_failing_builder)
+        run_job(_small(), str(work / "s.zarr"), parts=_failing_builder)
     assert tree(work) == before
 
 
@@ -92,7 +98,7 @@ def test_builder_with_a_wrong_signature_is_named(tmp_path: Path) -> None:
         raise AssertionError("never called")
 
     with pytest.raises(ValueError, match="function of one argument, the JobConfig"):
-        run_job(_small(), str(tmp_path / "new.zarr"), builder=no_args)
+        run_job(_small(), str(tmp_path / "new.zarr"), parts=no_args)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -103,18 +109,18 @@ def test_bad_key_files_are_refused_before_anything_is_written(work: Path) -> Non
     before = tree(work)
     for url in (store, str(work / "fresh.zarr")):  # a resume, and a new job
         with pytest.raises(NoiseKeyError, match=f"chmod 600 {key}"):
-            run_job(_small(), url, key_file=str(key))
+            run_job(_small(), url, options=JobOptions(key_file=str(key)))
         assert tree(work) == before
     short = work / "short.key"
     short.write_bytes(b"x" * 16)
     os.chmod(short, 0o600)
     before = tree(work)
     with pytest.raises(NoiseKeyError, match="holds 16 bytes"):
-        run_job(_small(), str(work / "fresh.zarr"), key_file=str(short))
+        run_job(_small(), str(work / "fresh.zarr"), options=JobOptions(key_file=str(short)))
     with pytest.raises(NoiseKeyError, match="--key-file"):  # the key lives outside the store
         run_job(_small(), store)
     with pytest.raises(NoiseKeyError, match="cannot read key file"):
-        run_job(_small(), store, key_file=str(work / "missing.key"))
+        run_job(_small(), store, options=JobOptions(key_file=str(work / "missing.key")))
     assert tree(work) == before
 
 
@@ -123,7 +129,7 @@ def test_another_jobs_key_is_refused(work: Path) -> None:
     create_key_file(str(other), b"o" * 32)
     before = tree(work)
     with pytest.raises(NoiseKeyError, match="does not match the key of version"):
-        run_job(_small(), str(work / "k.zarr"), key_file=str(other))
+        run_job(_small(), str(work / "k.zarr"), options=JobOptions(key_file=str(other)))
     assert tree(work) == before
 
 
@@ -162,7 +168,7 @@ def test_a_fresh_job_keeps_a_new_key_file_private(tmp_path: Path) -> None:
     key = tmp_path / "noise.key"
     old = os.umask(0)
     try:
-        run_job(_small(), str(tmp_path / "s.zarr"), key_file=str(key))
+        run_job(_small(), str(tmp_path / "s.zarr"), options=JobOptions(key_file=str(key)))
     finally:
         os.umask(old)
     assert key.stat().st_mode & 0o777 == 0o600

@@ -23,6 +23,7 @@ from cocoon_ckpt import DPConfig, JobConfig, run_job
 from cocoon_ckpt.errors import ConfigError, NoiseKeyError
 from cocoon_ckpt.examples import mlp
 from cocoon_ckpt.train.build import check_first_batch
+from cocoon_ckpt.train.options import JobOptions
 from cocoon_ckpt.train.parts import JobParts, check_optimizer_step, make_optimizer
 
 from .conftest import tree
@@ -63,13 +64,15 @@ class _NeedsClosure(torch.optim.SGD):
         return super().step(closure)
 
 
-def _refused(tmp_path: Path, config: JobConfig, build: Any, match: str, **kw: Any) -> str:
+def _refused(tmp_path: Path, config: JobConfig, build: Any, match: str) -> str:
     """Run the refused job into tmp_path/out; the message, and nothing written there."""
     out = tmp_path / "out"
     (out / "keys").mkdir(parents=True)
     before = tree(out)
     with pytest.raises(ConfigError, match=match) as exc:
-        run_job(config, str(out / "s.zarr"), builder=build, key_file=str(out / "keys/k"), **kw)
+        run_job(
+            config, str(out / "s.zarr"), build, options=JobOptions(key_file=str(out / "keys/k"))
+        )
     assert tree(out) == before
     return str(exc.value)
 
@@ -110,7 +113,7 @@ def test_an_error_in_the_users_getitem_is_raised_as_it_is(tmp_path: Path) -> Non
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(ValueError, match="^bad record 7$"):
-        run_job(_config(), str(out / "s.zarr"), builder=build)
+        run_job(_config(), str(out / "s.zarr"), parts=build)
     assert tree(out) == {}
 
 
@@ -146,7 +149,7 @@ def test_a_key_file_in_a_missing_folder_is_refused_before_the_store(tmp_path: Pa
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(NoiseKeyError, match="folder .*nowhere does not exist"):
-        run_job(_config(), str(out / "s.zarr"), key_file=str(out / "nowhere/k"))
+        run_job(_config(), str(out / "s.zarr"), options=JobOptions(key_file=str(out / "nowhere/k")))
     assert tree(out) == {}
 
 

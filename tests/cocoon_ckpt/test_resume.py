@@ -14,6 +14,7 @@ from cocoon_ckpt import ConfigMismatchError, NoiseKeyError, export_model, run_jo
 from cocoon_ckpt.dp.noise import check_generator_backend, generator_backend
 from cocoon_ckpt.errors import GeneratorMismatchError
 from cocoon_ckpt.format.ring_rows import slot_refs
+from cocoon_ckpt.train.options import JobOptions
 from fault_injection import CrashPointHit, crash_at, disarm_all
 from state import Store
 
@@ -30,12 +31,12 @@ def _export(url: str, out: Path, **kw: Any) -> dict[str, torch.Tensor]:
 def test_stop_and_resume_is_bit_identical(tmp_path: Path, example: str, bands: int) -> None:
     cfg = job_config(example, bands=bands, optimizer="adam", lr=0.01)
     key = str(tmp_path / "k")
-    run_job(cfg, str(tmp_path / "gold.zarr"), key_file=key)
+    run_job(cfg, str(tmp_path / "gold.zarr"), options=JobOptions(key_file=key))
     gold = _export(str(tmp_path / "gold.zarr"), tmp_path / "gold.pt")
     url = str(tmp_path / "run.zarr")
     for stop in (3, 7, 12, 13, 21):  # between checkpoints: work since the last is redone
-        run_job(cfg, url, key_file=key, stop_after=stop)
-    res = run_job(cfg, url, key_file=key)
+        run_job(cfg, url, stop_after=stop, options=JobOptions(key_file=key))
+    res = run_job(cfg, url, options=JobOptions(key_file=key))
     assert res.resumed_from == 20
     got = _export(url, tmp_path / "got.pt")
     assert all(torch.equal(gold[k], got[k]) for k in gold)
@@ -45,10 +46,15 @@ def test_resume_on_memory_and_s3(store_location: dict[str, Any], tmp_path: Path)
     cfg = job_config("mlp", bands=4, steps=12)
     key = str(tmp_path / "k")
     opts = store_location["storage_options"]
-    run_job(cfg, str(tmp_path / "gold.zarr"), key_file=key)
+    run_job(cfg, str(tmp_path / "gold.zarr"), options=JobOptions(key_file=key))
     gold = _export(str(tmp_path / "gold.zarr"), tmp_path / "gold.pt")
-    run_job(cfg, store_location["url"], storage_options=opts, key_file=key, stop_after=7)
-    run_job(cfg, store_location["url"], storage_options=opts, key_file=key)
+    run_job(
+        cfg,
+        store_location["url"],
+        stop_after=7,
+        options=JobOptions(storage_options=opts, key_file=key),
+    )
+    run_job(cfg, store_location["url"], options=JobOptions(storage_options=opts, key_file=key))
     got = _export(store_location["url"], tmp_path / "got.pt", storage_options=opts)
     assert all(torch.equal(gold[k], got[k]) for k in gold)
 
@@ -68,14 +74,14 @@ def test_crash_mid_commit_leaves_previous_version(tmp_path: Path, point: str) ->
     crash_at(point, step=15)
     try:
         with pytest.raises(CrashPointHit):
-            run_job(cfg, url, key_file=key)
+            run_job(cfg, url, options=JobOptions(key_file=key))
     finally:
         disarm_all()
     store = Store.open(url, create=False)
     latest = store.latest()
     assert latest is not None and latest.step == 10  # the version of step 15 never appeared
-    run_job(cfg, url, key_file=key)
-    run_job(cfg, str(tmp_path / "gold.zarr"), key_file=key)
+    run_job(cfg, url, options=JobOptions(key_file=key))
+    run_job(cfg, str(tmp_path / "gold.zarr"), options=JobOptions(key_file=key))
     a = _export(url, tmp_path / "a.pt")
     b = _export(str(tmp_path / "gold.zarr"), tmp_path / "b.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -83,25 +89,25 @@ def test_crash_mid_commit_leaves_previous_version(tmp_path: Path, point: str) ->
 
 def test_changed_config_is_refused_with_every_difference(tmp_path: Path) -> None:
     url, key = str(tmp_path / "s.zarr"), str(tmp_path / "k")
-    run_job(job_config("mlp", bands=8), url, key_file=key, stop_after=10)
+    run_job(job_config("mlp", bands=8), url, stop_after=10, options=JobOptions(key_file=key))
     with pytest.raises(ConfigMismatchError) as err:
-        run_job(job_config("mlp", bands=4, seed=3), url, key_file=key)
+        run_job(job_config("mlp", bands=4, seed=3), url, options=JobOptions(key_file=key))
     assert any(d.startswith("dp.bands: stored 8, now 4") for d in err.value.differences)
     assert any(d.startswith("dp.seed") for d in err.value.differences)
     # harmless: cadence and retention may change
     harmless = dataclasses.replace(job_config("mlp", bands=8), checkpoint_every=3, keep_last=4)
-    assert run_job(harmless, url, key_file=key).steps_done == 24
+    assert run_job(harmless, url, options=JobOptions(key_file=key)).steps_done == 24
 
 
 def test_wrong_key_and_missing_key_are_refused(tmp_path: Path) -> None:
     url = str(tmp_path / "s.zarr")
-    run_job(job_config("mlp"), url, key_file=str(tmp_path / "k1"), stop_after=5)
+    run_job(job_config("mlp"), url, stop_after=5, options=JobOptions(key_file=str(tmp_path / "k1")))
     with pytest.raises(NoiseKeyError, match="k3 does not exist"):
-        run_job(job_config("mlp"), url, key_file=str(tmp_path / "k3"))
+        run_job(job_config("mlp"), url, options=JobOptions(key_file=str(tmp_path / "k3")))
     (tmp_path / "k2").write_bytes(bytes(range(32)))
     os.chmod(tmp_path / "k2", 0o600)  # a group-readable key file is refused first
     with pytest.raises(NoiseKeyError, match="does not match"):
-        run_job(job_config("mlp"), url, key_file=str(tmp_path / "k2"))
+        run_job(job_config("mlp"), url, options=JobOptions(key_file=str(tmp_path / "k2")))
     with pytest.raises(NoiseKeyError, match="no noise key"):
         run_job(job_config("mlp"), url)
 
@@ -116,7 +122,7 @@ def test_generator_backend_change_is_refused_unless_allowed() -> None:
 def test_incremental_checkpoint_writes_only_new_slots(tmp_path: Path) -> None:
     url = str(tmp_path / "s.zarr")
     cfg = dataclasses.replace(job_config("mlp", bands=16, steps=30), checkpoint_every=5)
-    run_job(cfg, url, key_file=str(tmp_path / "k"))
+    run_job(cfg, url, options=JobOptions(key_file=str(tmp_path / "k")))
     store = Store.open(url, create=False)
     v = store.latest()
     assert v is not None

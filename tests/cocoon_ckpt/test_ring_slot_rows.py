@@ -25,6 +25,7 @@ from cocoon_ckpt.tools.audit import audit_store
 from cocoon_ckpt.tools.audit.arrays import check_checksums
 from cocoon_ckpt.tools.audit.report import AuditReport
 from cocoon_ckpt.tools.bounds import VersionBounds
+from cocoon_ckpt.train.options import JobOptions
 from state import Manifest, Store, Version, restamp
 from state.arrays import write_array, written_meta
 
@@ -201,10 +202,10 @@ def _to_one_array_per_slot(root: Path) -> None:
 def test_old_one_array_per_slot_store_resumes_and_audits(tmp_path: Path) -> None:
     cfg = job_config("mlp", bands=4, steps=16, keep_last=3)
     key = str(tmp_path / "k")
-    run_job(cfg, str(tmp_path / "gold.zarr"), key_file=key)
+    run_job(cfg, str(tmp_path / "gold.zarr"), options=JobOptions(key_file=key))
     export_model(str(tmp_path / "gold.zarr"), str(tmp_path / "gold.pt"))
     url = tmp_path / "old.zarr"
-    run_job(cfg, str(url), key_file=key, stop_after=11)
+    run_job(cfg, str(url), stop_after=11, options=JobOptions(key_file=key))
     _to_one_array_per_slot(url)
     old = Store.open(str(url), create=False).latest()
     assert old is not None and all(len(e) == 3 for e in old.records["noise"]["shards"][0]["slots"])
@@ -213,7 +214,9 @@ def test_old_one_array_per_slot_store_resumes_and_audits(tmp_path: Path) -> None
     # only finding
     assert {f.check for f in report.findings} == {"authentication"}, report.text()
     allow = ResumeAllowances(unauthenticated=True)
-    run_job(cfg, str(url), key_file=key, allow=allow)  # borrows the old slots, writes rows
+    run_job(
+        cfg, str(url), options=JobOptions(key_file=key, allow=allow)
+    )  # borrows the old slots, writes rows
     export_model(str(url), str(tmp_path / "got.pt"))
     gold, got = torch.load(tmp_path / "gold.pt"), torch.load(tmp_path / "got.pt")
     assert all(torch.equal(gold[k], got[k]) for k in gold)

@@ -23,6 +23,7 @@ from cocoon_ckpt.tools.audit import audit_store
 from cocoon_ckpt.tools.catalog import collect_garbage, diff_versions, inspect_store
 from cocoon_ckpt.tools.export import export_model
 from cocoon_ckpt.train.job_records import REQUIRED, IncompleteRecordsError, check_job_records
+from cocoon_ckpt.train.options import JobOptions
 from state import Store, StoreError
 
 from .conftest import job_config
@@ -42,7 +43,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def _loop(config: JobConfig, url: str, key: str, stop: int | None = None) -> int:
     """The user's loop over the mlp example: break after step `stop` (1-based count)."""
-    with open_job(config, url, mlp_job.build(config), key_file=key) as job:
+    with open_job(config, url, mlp_job.build(config), options=JobOptions(key_file=key)) as job:
         for res in job.steps():
             assert res.step == job.step - 1
             if stop is not None and job.step == stop:
@@ -53,10 +54,10 @@ def _loop(config: JobConfig, url: str, key: str, stop: int | None = None) -> int
 def test_stop_then_resume_through_the_api_is_bit_identical(tmp_path: Path) -> None:
     cfg, key = job_config(bands=4), str(tmp_path / "noise.key")
     gold, url = str(tmp_path / "gold.zarr"), str(tmp_path / "run.zarr")
-    run_job(cfg, gold, key_file=key)
+    run_job(cfg, gold, options=JobOptions(key_file=key))
     assert _loop(cfg, url, key, stop=7) == 7  # 7 is off the cadence (every 5)
     assert Store.open(url, create=False).latest().step == 7  # type: ignore[union-attr]
-    with open_job(cfg, url, mlp_job.build(cfg), key_file=key) as job:
+    with open_job(cfg, url, mlp_job.build(cfg), options=JobOptions(key_file=key)) as job:
         assert job.resumed_from == 7 and job.step == 7
         for _ in job.steps(until=13):
             pass
@@ -139,7 +140,7 @@ def test_sigint_in_the_loop_checkpoints_the_step_and_releases_the_lease(tmp_path
 #: after the first commit lands mid-run.
 KILLED_LOOP = """
 import sys, time
-from cocoon_ckpt import JobConfig, open_job
+from cocoon_ckpt import JobConfig, JobOptions, open_job
 from cocoon_ckpt.examples import mlp
 
 config = JobConfig.from_record(__import__("json").loads(sys.argv[3]))
@@ -151,7 +152,7 @@ def slow_step(*args, **kwargs):
     return step(*args, **kwargs)
 
 parts.optimizer.step = slow_step
-with open_job(config, sys.argv[1], parts, key_file=sys.argv[2]) as job:
+with open_job(config, sys.argv[1], parts, options=JobOptions(key_file=sys.argv[2])) as job:
     for res in job.steps():
         pass
 """
@@ -178,7 +179,7 @@ def test_sigkill_of_a_user_loop_then_resume_matches_uninterrupted(tmp_path: Path
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     gold = str(tmp_path / "gold.zarr")
-    run_job(cfg, gold, key_file=key)
+    run_job(cfg, gold, options=JobOptions(key_file=key))
     assert _same(_model(url), _model(gold))
 
 

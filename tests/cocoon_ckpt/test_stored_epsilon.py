@@ -17,6 +17,7 @@ from cocoon_ckpt.dp.accounting.amplified import epsilon_of_run
 from cocoon_ckpt.tools.audit import audit_store
 from cocoon_ckpt.tools.catalog import inspect_store
 from cocoon_ckpt.tools.export import export_model
+from cocoon_ckpt.train.options import JobOptions
 from state import Store
 
 from .conftest import job_config, reseal
@@ -28,7 +29,10 @@ def stopped(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     root = tmp_path_factory.mktemp("eps")
     url, key = root / "s.zarr", str(root / "k")
     run_job(
-        job_config("mlp", bands=4, steps=16, keep_last=5), str(url), key_file=key, stop_after=10
+        job_config("mlp", bands=4, steps=16, keep_last=5),
+        str(url),
+        stop_after=10,
+        options=JobOptions(key_file=key),
     )
     return url, key
 
@@ -39,7 +43,11 @@ def finished(stopped: tuple[Path, str], tmp_path_factory: pytest.TempPathFactory
     url, key = stopped
     done = tmp_path_factory.mktemp("eps-done") / "done.zarr"
     shutil.copytree(url, done, symlinks=True)
-    run_job(job_config("mlp", bands=4, steps=16, keep_last=5), str(done), key_file=key)
+    run_job(
+        job_config("mlp", bands=4, steps=16, keep_last=5),
+        str(done),
+        options=JobOptions(key_file=key),
+    )
     return done
 
 

@@ -33,6 +33,7 @@ from cocoon_ckpt.tiers import (
     plan_units,
 )
 from cocoon_ckpt.tiers.base import TierKind
+from cocoon_ckpt.train.options import JobOptions
 from state import Store
 
 from .conftest import job_config
@@ -242,9 +243,9 @@ def test_resume_on_other_tiers_is_bit_identical(tmp_path: Path) -> None:
     plain = job_config("mlp", bands=4, steps=12)
     key = str(tmp_path / "noise.key")  # one key for both runs: the same noise
     ref_url = str(tmp_path / "ref.zarr")
-    run_job(plain, ref_url, key_file=key)
+    run_job(plain, ref_url, options=JobOptions(key_file=key))
     url = str(tmp_path / "t.zarr")
-    run_job(plain, url, stop_after=7, key_file=key)
+    run_job(plain, url, stop_after=7, options=JobOptions(key_file=key))
     tiered = job_config(
         "mlp",
         bands=4,
@@ -253,7 +254,7 @@ def test_resume_on_other_tiers_is_bit_identical(tmp_path: Path) -> None:
             device_bytes=1 << 26, host_bytes=0, far_bytes=1 << 30, counts={"device": 0, "far": 1}
         ),
     )
-    res = run_job(tiered, url, key_file=key)
+    res = run_job(tiered, url, options=JobOptions(key_file=key))
     assert res.resumed_from == 5
     a = Store.open(ref_url, create=False).latest()
     b = Store.open(url, create=False).latest()

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from cocoon_ckpt import export_model, run_job
+from cocoon_ckpt.train.options import JobOptions
 from fault_injection import FaultPlan, faulty_filesystem
 from state import CorruptVersionError, Store
 
@@ -26,14 +27,14 @@ def _url() -> str:
 def test_transient_and_lost_responses_are_absorbed_and_resume_is_exact(tmp_path: Path) -> None:
     cfg = job_config("mlp", bands=8, steps=16)
     key = str(tmp_path / "k")
-    run_job(cfg, str(tmp_path / "gold.zarr"), key_file=key)
+    run_job(cfg, str(tmp_path / "gold.zarr"), options=JobOptions(key_file=key))
     export_model(str(tmp_path / "gold.zarr"), str(tmp_path / "gold.pt"))
     fs = faulty_filesystem(
         "memory://", FaultPlan(seed=3, transient=0.2, lost_response=0.1, slow=0.05)
     )
     url = _url()
-    run_job(cfg, url, fs=fs, key_file=key, stop_after=9)
-    run_job(cfg, url, fs=fs, key_file=key)
+    run_job(cfg, url, stop_after=9, options=JobOptions(fs=fs, key_file=key))
+    run_job(cfg, url, options=JobOptions(fs=fs, key_file=key))
     assert fs.injected["transient"] > 5 and fs.injected["lost_response"] > 0
     fs.armed = False
     latest = Store.open(url, fs=fs, create=False).latest()
@@ -47,10 +48,12 @@ def test_permanent_error_is_clear_and_the_store_stays_openable(tmp_path: Path) -
     cfg = job_config("mlp", bands=4, steps=20)
     url = _url()
     fs = faulty_filesystem("memory://", FaultPlan(seed=0))
-    run_job(cfg, url, fs=fs, key_file=str(tmp_path / "k"), stop_after=10)
+    run_job(cfg, url, stop_after=10, options=JobOptions(fs=fs, key_file=str(tmp_path / "k")))
     broken = faulty_filesystem("memory://", FaultPlan(seed=0, permanent_after=0))
     with pytest.raises(OSError, match="permanent I/O error") as err:
-        run_job(cfg, url, fs=broken, key_file=str(tmp_path / "k"), takeover=True)
+        run_job(
+            cfg, url, options=JobOptions(fs=broken, key_file=str(tmp_path / "k"), takeover=True)
+        )
     assert err.value.errno == errno.EIO
     latest = Store.open(url, fs=fs, create=False).latest()
     assert latest is not None and latest.step == 10

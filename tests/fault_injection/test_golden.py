@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from cocoon_ckpt import run_job
+from cocoon_ckpt.train.options import JobOptions
 from fault_injection import CrashPointHit, Trace, crash_at, disarm_all, golden, verify
 from state import Store, hooks
 
@@ -50,13 +51,13 @@ def test_crash_point_store_state_and_exact_resume(
 ) -> None:
     cfg = job_config("mlp", bands=8, steps=24)
     key = str(tmp_path / "k")
-    reference = golden(cfg, str(tmp_path / "gold.zarr"), key_file=key)
+    reference = golden(cfg, str(tmp_path / "gold.zarr"), options=JobOptions(key_file=key))
     url = str(tmp_path / "run.zarr")
     crashed = Trace()
     crash_at(point, step=step)
     try:
         with pytest.raises(CrashPointHit):
-            run_job(cfg, url, key_file=key, on_step=crashed.record)
+            run_job(cfg, url, on_step=crashed.record, options=JobOptions(key_file=key))
     finally:
         disarm_all()
     store = Store.open(url, create=False)
@@ -64,7 +65,7 @@ def test_crash_point_store_state_and_exact_resume(
     assert latest is not None and latest.step == newest
     for v in store.versions():
         store.read(v)  # nothing half-written is visible
-    trace, divergence = verify(cfg, url, [], reference, crashed, key_file=key)
+    trace, divergence = verify(cfg, url, [], reference, crashed, options=JobOptions(key_file=key))
     assert divergence is None, str(divergence)
     assert Store.open(url, create=False).latest().records["complete"]  # type: ignore[union-attr]
 
@@ -72,13 +73,15 @@ def test_crash_point_store_state_and_exact_resume(
 def test_verify_runs_a_crash_schedule_and_finds_no_divergence(tmp_path: Path) -> None:
     cfg = job_config("dlrm", bands=8, steps=24)
     key = str(tmp_path / "k")
-    reference = golden(cfg, str(tmp_path / "gold.zarr"), key_file=key)
+    reference = golden(cfg, str(tmp_path / "gold.zarr"), options=JobOptions(key_file=key))
     schedule = [
         ("checkpoint.after_arrays", 5),
         ("noise.after_gemv", 13),
         ("trainer.after_update", 22),
     ]
-    trace, divergence = verify(cfg, str(tmp_path / "run.zarr"), schedule, reference, key_file=key)
+    trace, divergence = verify(
+        cfg, str(tmp_path / "run.zarr"), schedule, reference, options=JobOptions(key_file=key)
+    )
     assert divergence is None, str(divergence)
     assert trace.crashes == [
         "checkpoint.after_arrays@5",
@@ -90,7 +93,11 @@ def test_verify_runs_a_crash_schedule_and_finds_no_divergence(tmp_path: Path) ->
 
 def test_a_wrong_resume_is_reported_at_its_first_step(tmp_path: Path) -> None:
     cfg = job_config("mlp", bands=8, steps=12)
-    reference = golden(cfg, str(tmp_path / "gold.zarr"), key_file=str(tmp_path / "k1"))
-    other = golden(cfg, str(tmp_path / "other.zarr"), key_file=str(tmp_path / "k2"))
+    reference = golden(
+        cfg, str(tmp_path / "gold.zarr"), options=JobOptions(key_file=str(tmp_path / "k1"))
+    )
+    other = golden(
+        cfg, str(tmp_path / "other.zarr"), options=JobOptions(key_file=str(tmp_path / "k2"))
+    )
     div = reference.first_divergence(other)
     assert div is not None and div.step == 0 and "noise" in div.fields and "batch" not in div.fields

@@ -13,6 +13,7 @@ import pytest
 
 from cocoon_ckpt import ResumeAllowances, run_job
 from cocoon_ckpt.tools.audit import audit_store
+from cocoon_ckpt.train.options import JobOptions
 from state import CorruptVersionError, Store, restamp
 from state.manifest import FORMAT_VERSION, ArrayMeta, Manifest
 
@@ -29,8 +30,8 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
     root = tmp_path_factory.mktemp("sep")
     key = str(root / "k")
     whole, stopped = root / "whole.zarr", root / "stopped.zarr"
-    run_job(_job(), str(whole), key_file=key)  # type: ignore[arg-type]
-    run_job(_job(), str(stopped), key_file=key, stop_after=15)  # type: ignore[arg-type]
+    run_job(_job(), str(whole), options=JobOptions(key_file=key))  # type: ignore[arg-type]
+    run_job(_job(), str(stopped), stop_after=15, options=JobOptions(key_file=key))  # type: ignore[arg-type]
     return whole, stopped, key
 
 
@@ -100,9 +101,8 @@ def test_a_format_2_store_reads_audits_and_resumes_to_the_same_bits(
     unauthenticated = {f.version for f in report.findings if f.check == "authentication"}
     assert unauthenticated == set(store.versions()), report.text()
     assert len(report.findings) == len(unauthenticated), report.text()
-    run_job(  # type: ignore[arg-type]
-        _job(), str(old), key_file=key, allow=ResumeAllowances(unauthenticated=True)
-    )
+    allow = ResumeAllowances(unauthenticated=True)
+    run_job(_job(), str(old), options=JobOptions(key_file=key, allow=allow))  # type: ignore[arg-type]
     assert _last_arrays(old) == _last_arrays(whole)
     resumed = Store.open(str(old))
     newest = resumed.manifest(resumed.versions()[-1])

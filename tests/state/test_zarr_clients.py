@@ -16,6 +16,7 @@ import zarr
 
 from cocoon_ckpt import DPConfig, JobConfig, run_job
 from cocoon_ckpt.embedding import EmbeddingConfig, TableMode
+from cocoon_ckpt.train.options import JobOptions
 from state import Store, Version, arrays
 from state.open import open_backend
 from tests.cocoon_ckpt.conftest import job_config
@@ -91,7 +92,7 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     )
     configs = {"mlp": job_config("mlp", bands=3, steps=6), "dlrm": dlrm}
     for name, cfg in configs.items():
-        run_job(cfg, str(root / name), key_file=str(root / f"{name}.key"))
+        run_job(cfg, str(root / name), options=JobOptions(key_file=str(root / f"{name}.key")))
     return {name: root / name for name in configs}
 
 
