@@ -4,7 +4,7 @@
 copies of the arrays and the typed records of `cocoon_ckpt.records`); `decode` turns a
 verified version back into the dict `DPTrainer.load_state_dict()` takes. Each part has
 its own codec, which returns its record and arrays (`format.parts`: model, optimizer,
-rng, noise, the job's own parts; the embedding tables are `format.table_codec`); this
+rng, noise, the job's own parts, the embedding tables); this
 module only puts them together. The store format is docs/store-format.md.
 
 The trainer is never imported here. A version's single parts (the model, the newest
@@ -16,10 +16,9 @@ from __future__ import annotations
 
 from typing import cast
 
-from cocoon_ckpt.format.parts import model, noise, optimizer, rng, user
+from cocoon_ckpt.format.parts import model, noise, optimizer, rng, tables, user
 from cocoon_ckpt.format.snapshot import Snapshot
 from cocoon_ckpt.format.stored import records_of
-from cocoon_ckpt.format.table_codec import decode_tables, encode_tables
 from cocoon_ckpt.format.trainer_state import TRAINER_SCHEMA, TrainerState
 from cocoon_ckpt.layout import SCHEDULER_PREFIX, stateful_prefix
 from cocoon_ckpt.records import (
@@ -69,7 +68,7 @@ def encode(state: TrainerState, parent: Manifest | None, *, shard_only: bool = F
     }
     # parts written only where the job has them: other versions are as before
     if state["embedding"] is not None:
-        records["embedding"] = encode_tables(state, parent, snap)
+        records["embedding"] = snap.take(tables.encode(state, parent))
     if state["identity"] is not None:
         records["identity"] = state["identity"]
     if state["scheduler"] is not None:
@@ -96,7 +95,7 @@ def decode(version: Version, like: TrainerState) -> TrainerState:
         KeyError, TypeError, IndexError: a record is malformed.
     """
     rec = records_of(version)
-    embedding, tables = decode_tables(version, like)
+    embedding, table_arrays = tables.decode(version, like)
     return {
         "kind": "DPTrainer",
         "schema_version": TRAINER_SCHEMA,
@@ -112,7 +111,7 @@ def decode(version: Version, like: TrainerState) -> TrainerState:
         "generator": dict(rec["generator"]),
         "rng": rng.decode(rec["rng"], version),
         "embedding": embedding,
-        "embedding_tables": tables,
+        "embedding_tables": table_arrays,
         "identity": rec.get("identity"),
         "scheduler": user.decode(rec.get("scheduler"), version),
         "stateful": {

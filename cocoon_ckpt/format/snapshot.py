@@ -34,6 +34,9 @@ class Encoded(Generic[R]):
     """Host copies new in this version, by array name (`layout.py`)."""
     references: dict[str, ArrayMeta] = field(default_factory=dict)
     """Arrays an earlier version holds and this one names again (old ring rows)."""
+    shared: dict[str, np.ndarray] = field(default_factory=dict)
+    """Job-lifetime arrays new in this version, written once under shared/ (a table's
+    CSC and noise order)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -57,15 +60,17 @@ class Snapshot:
         return sum(a.nbytes for a in self.arrays.values())
 
     def take(self, part: Encoded[R]) -> R:
-        """Add a part's arrays and references to this snapshot; its record back.
+        """Add a part's arrays, references and shared arrays to this snapshot; its
+        record back.
 
         Raises:
             ValueError: an array name another part already took (two parts must never
                 write one array: the second would silently replace the first).
         """
-        for name in (*part.arrays, *part.references):
-            if name in self.arrays or name in self.references:
+        for name in (*part.arrays, *part.references, *part.shared):
+            if name in self.arrays or name in self.references or name in self.shared:
                 raise ValueError(f"array {name} is encoded by two parts of the snapshot")
         self.arrays.update(part.arrays)
         self.references.update(part.references)
+        self.shared.update(part.shared)
         return part.record

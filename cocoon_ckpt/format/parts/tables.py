@@ -1,24 +1,24 @@
-"""The snapshot codec's embedding part: each table's online ring (new slots as rows),
-its CSC and noise order (job-lifetime arrays under shared/, referenced once written)
-<-> the `embedding` record and the trainer state's table entries."""
+"""The embedding tables' codec: each table's online ring (new slots as rows), its CSC
+and noise order (job-lifetime arrays under shared/, referenced once written) <-> the
+`embedding` record and the trainer state's table entries."""
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import numpy as np
 
 from cocoon_ckpt.embedding.csc_window import CscWindows, StoredCSC
 from cocoon_ckpt.format.ring_rows import borrowable, encode_slots, load_ring
+from cocoon_ckpt.format.snapshot import Encoded
 from cocoon_ckpt.format.stored import records_of
 from cocoon_ckpt.format.trainer_state import TableArrays, TrainerState
 from cocoon_ckpt.layout import emb_name, table_ring_rows_name
 from cocoon_ckpt.records import EmbeddingRecord, RingSlot, ShardRecord, TableRecord
-from state import Manifest, Version
+from state import ArrayMeta, Manifest, Version
 
-if TYPE_CHECKING:
-    from cocoon_ckpt.format.snapshot import Snapshot
-
-__all__ = ["decode_tables", "encode_tables"]
+__all__ = ["decode", "encode"]
 
 
 def _parent_slots(parent: Manifest | None, param: str) -> Any:
@@ -32,13 +32,17 @@ def _parent_slots(parent: Manifest | None, param: str) -> Any:
     return None
 
 
-def encode_tables(state: TrainerState, parent: Manifest | None, snap: Snapshot) -> EmbeddingRecord:
-    """Each table's online ring (new slots only), and its CSC and noise order once."""
+def encode(state: TrainerState, parent: Manifest | None) -> Encoded[EmbeddingRecord]:
+    """Each table's online ring (new slots only), and its CSC and noise order once (as
+    shared arrays: the first version that holds them writes them, later ones refer)."""
     emb = state["embedding"]
     extra = state["embedding_tables"]
     if emb is None or extra is None:
         raise ValueError("the trainer state has embedding noise state but no table arrays")
     tables: list[TableRecord] = []
+    arrays: dict[str, np.ndarray] = {}
+    references: dict[str, ArrayMeta] = {}
+    shared: dict[str, np.ndarray] = {}
     for st, arrs in zip(emb["tables"], extra, strict=True):
         param = st["param"]
         online = st["online"]
@@ -50,21 +54,21 @@ def encode_tables(state: TrainerState, parent: Manifest | None, snap: Snapshot) 
                 functools.partial(table_ring_rows_name, param),
                 parent,
                 borrowable(parent, _parent_slots(parent, param)),
-                snap.arrays,
-                snap.references,
+                arrays,
+                references,
             )
         csc = arrs["csc"]
         job_arrays = {"order": arrs["order"]}
         if isinstance(csc, CscWindows | StoredCSC):  # read in windows: it is committed
-            snap.references.update({emb_name(param, f"csc/{k}"): m for k, m in csc.metas.items()})
+            references.update({emb_name(param, f"csc/{k}"): m for k, m in csc.metas.items()})
         elif csc is not None:
             job_arrays.update({f"csc/{k}": v for k, v in csc.arrays().items()})
         for k, arr in job_arrays.items():
             name = emb_name(param, k)
             if parent is not None and name in parent.arrays:
-                snap.references[name] = parent.arrays[name]
+                references[name] = parent.arrays[name]
             else:
-                snap.shared[name] = arr
+                shared[name] = arr
         tables.append(
             {
                 "param": param,
@@ -81,10 +85,15 @@ def encode_tables(state: TrainerState, parent: Manifest | None, snap: Snapshot) 
                 "history_bytes": arrs["history_bytes"],
             }
         )
-    return {"threat_model": emb["threat_model"], "cursor": state["step"], "tables": tables}
+    record: EmbeddingRecord = {
+        "threat_model": emb["threat_model"],
+        "cursor": state["step"],
+        "tables": tables,
+    }
+    return Encoded(record=record, arrays=arrays, references=references, shared=shared)
 
 
-def decode_tables(
+def decode(
     version: Version, like: TrainerState
 ) -> tuple[dict[str, Any] | None, list[TableArrays] | None]:
     """The embedding state and table arrays a version holds (None, None: no tables).
