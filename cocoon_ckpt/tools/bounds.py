@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cocoon_ckpt.format.ring_rows import slot_refs
-from cocoon_ckpt.layout import MODEL_PREFIX
+from cocoon_ckpt.layout import MODEL_PREFIX, array_kind, emb_name
 from cocoon_ckpt.train.config import JobConfig
 from state import Manifest
 
@@ -222,25 +222,25 @@ def _embedding(c: _Checker, emb: dict[str, Any], shapes: dict[str, list[int]], n
         ok = True
         for _s, name, row in _slots(c, t["slots"], f"table {param}"):
             ok &= c.array(name, _slot_shape(c, name, row, online * dim))
-        order = f"emb/{param}/order"
+        order = emb_name(param, "order")
         if order in c.m.arrays:
             ok &= c.array(order, (rows,), "int64")
         if t.get("csc") is not None:
-            ptr = f"emb/{param}/csc/col_ptr"
-            entries = c.m.arrays[f"emb/{param}/csc/rows"].shape
+            ptr = emb_name(param, "csc/col_ptr")
+            entries = c.m.arrays[emb_name(param, "csc/rows")].shape
             e = entries[0] if len(entries) == 1 else -1
             if not 0 <= e <= rows * (n + 1):
                 c.problem(
                     f"table {param}: the CSC lists {entries} entries, more than rows x (n+1) "
                     f"= {rows * (n + 1)}",
-                    f"emb/{param}/csc/rows",
-                    f"emb/{param}/csc/values",
+                    emb_name(param, "csc/rows"),
+                    emb_name(param, "csc/values"),
                 )
                 ok = False
             else:
                 ok &= c.array(ptr, (n + 2,), "int64")
-                ok &= c.array(f"emb/{param}/csc/rows", (e,), "int64")
-                ok &= c.array(f"emb/{param}/csc/values", (e, dim))
+                ok &= c.array(emb_name(param, "csc/rows"), (e,), "int64")
+                ok &= c.array(emb_name(param, "csc/values"), (e, dim))
         if not ok:
             c.out.embedding_ok = False
 
@@ -248,10 +248,10 @@ def _embedding(c: _Checker, emb: dict[str, Any], shapes: dict[str, list[int]], n
 def _plain_arrays(c: _Checker, shapes: dict[str, list[int]]) -> None:
     biggest = max((_numel(s) for s in shapes.values()), default=0)
     for name, meta in c.m.arrays.items():
-        top = name.split("/", 1)[0]
-        if name in c.claimed or top in ("ring", "emb"):
+        kind = array_kind(name)
+        if name in c.claimed or kind in ("ring", "csc", "emb_ring", "emb_order"):
             continue
-        if top == "model":
+        if kind == "model":
             want = shapes.get(name[len(MODEL_PREFIX) :])
             if want is None:
                 c.problem(f"array {name} is not a parameter of the recorded model", name)
@@ -260,7 +260,7 @@ def _plain_arrays(c: _Checker, shapes: dict[str, list[int]]) -> None:
                     f"array {name} is recorded as {list(meta.shape)}, the model shape is {want}",
                     name,
                 )
-        elif top == "optim":
+        elif kind == "optimizer":
             # optimizer state: a scalar (step) or a tensor the size of some parameter
             if math.prod(meta.shape) > biggest:
                 c.problem(
@@ -268,7 +268,7 @@ def _plain_arrays(c: _Checker, shapes: dict[str, list[int]]) -> None:
                     f"largest parameter ({biggest})",
                     name,
                 )
-        elif top == "rng":
+        elif kind == "rng":
             if math.prod(meta.shape) > _RNG_MAX:
                 c.problem(
                     f"array {name} holds {math.prod(meta.shape)} values, not an RNG state", name

@@ -19,7 +19,7 @@ from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.embedding.engine import TablePlan
 from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.format.part_state import encode_part_state
-from cocoon_ckpt.layout import THREAT_MODEL_DEFAULT
+from cocoon_ckpt.layout import SCHEDULER_PREFIX, THREAT_MODEL_DEFAULT, stateful_prefix
 from cocoon_ckpt.records import ModelShapes
 from cocoon_ckpt.train.config import JobConfig
 from cocoon_ckpt.train.distributed import DistContext
@@ -201,8 +201,8 @@ def check_part_states(parts: JobParts) -> None:
     Raises:
         ConfigError: naming the part and what in its state is refused.
     """
-    named: dict[str, Any] = {} if parts.scheduler is None else {"scheduler": parts.scheduler}
-    named.update({f"stateful/{name}": part for name, part in parts.stateful.items()})
+    named: dict[str, Any] = {} if parts.scheduler is None else {SCHEDULER_PREFIX: parts.scheduler}
+    named.update({stateful_prefix(name): part for name, part in parts.stateful.items()})
     for prefix, part in named.items():
         try:
             encode_part_state(part.state_dict(), prefix, None)  # checks, copies nothing
