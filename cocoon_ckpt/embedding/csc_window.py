@@ -35,11 +35,19 @@ import numpy as np
 
 from cocoon_ckpt.embedding.csc import CoalescedCSC
 from cocoon_ckpt.layout import emb_name
-from state import ArrayMeta, CorruptVersionError, Manifest, Store, Version, array_checksum
+from state import (
+    ArrayMeta,
+    CorruptVersionError,
+    Manifest,
+    Store,
+    StoreError,
+    Version,
+    array_checksum,
+)
 from state.arrays import chunk_key
 from state.version import check_confined
 
-__all__ = ["CSC_PARTS", "CscWindows", "StoredCSC"]
+__all__ = ["CSC_PARTS", "CscWindows", "StoredCSC", "WindowCrcs", "damaged", "window_edges"]
 
 #: A CSC's arrays, by their name under `emb/<param>/csc/`.
 CSC_PARTS = ("col_ptr", "rows", "values")
@@ -52,14 +60,15 @@ class StoredCSC:
 
     Attributes:
         store: the store holding it.
-        manifest: the committed version that names it.
+        manifest: the committed version that names it (None: written by this job's
+            precompute, `embedding.csc_assembly`, for its first version to reference).
         param: the table's parameter name.
         metas: the manifest entries of `col_ptr`, `rows` and `values`.
         col_ptr: (n+2,) int64, verified against the manifest.
     """
 
     store: Store
-    manifest: Manifest
+    manifest: Manifest | None
     param: str
     metas: dict[str, ArrayMeta]
     col_ptr: np.ndarray
@@ -94,8 +103,14 @@ class StoredCSC:
         return cls(version.store, version.manifest, param, metas, ptr)
 
     @property
-    def version(self) -> int:
-        return self.manifest.version
+    def version(self) -> int | None:
+        return None if self.manifest is None else self.manifest.version
+
+    @property
+    def where(self) -> str:
+        """Where it lies, for messages."""
+        of = "not yet in a version" if self.manifest is None else f"version {self.version}"
+        return f"{of} of {self.store.url}"
 
     @property
     def steps(self) -> int:
@@ -115,11 +130,65 @@ class StoredCSC:
         return sum(math.prod(m.shape) * np.dtype(m.dtype).itemsize for m in self.metas.values())
 
     def load(self) -> CoalescedCSC:
-        """The whole CSC in memory, each array verified against the manifest."""
+        """The whole CSC in memory, each array verified against the manifest.
+
+        Raises:
+            ValueError: it is not in a committed version yet.
+        """
+        if self.manifest is None:
+            raise ValueError(f"the CSC of table {self.param} is {self.where}: read it in windows")
         version = Version(self.store, self.manifest)
         return CoalescedCSC.from_arrays(
             {k: version.array(emb_name(self.param, f"csc/{k}")) for k in CSC_PARTS}
         )
+
+
+def window_edges(columns: int, window_steps: int) -> np.ndarray:
+    """(windows + 1,) int64: the first column of each window of `window_steps`
+    columns over `columns` columns, and `columns`."""
+    windows = max(1, -(-columns // window_steps))
+    return np.minimum(np.arange(windows + 1, dtype=np.int64) * window_steps, columns)
+
+
+class WindowCrcs:
+    """The crc32c of each window's bytes of one array, fed its bytes in order.
+
+    Args:
+        edges: (windows + 1,) the byte offset of each window's start, and the end.
+    """
+
+    def __init__(self, edges: np.ndarray) -> None:
+        self.edges = np.asarray(edges, dtype=np.int64)
+        self.crcs = [0] * (self.edges.size - 1)
+
+    def feed(self, offset: int, data: np.ndarray | memoryview | bytes) -> None:
+        """The array's bytes [offset, offset + len(data))."""
+        view = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else None
+        if view is None:
+            view = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
+        end = offset + len(view)
+        first = max(int(np.searchsorted(self.edges, offset, side="right")) - 1, 0)
+        for w in range(first, len(self.crcs)):
+            a, z = max(int(self.edges[w]), offset), min(int(self.edges[w + 1]), end)
+            if a >= end:
+                break
+            if z > a:
+                self.crcs[w] = crc32c.crc32c(view[a - offset : z - offset], self.crcs[w])
+
+
+def damaged(stored: StoredCSC, path: str, what: str) -> StoreError:
+    """The error for a CSC whose bytes are not what was written: a damaged version
+    (`CorruptVersionError`), or this job's own CSC not yet in one."""
+    if stored.version is None:
+        return StoreError(
+            f"{stored.where}: {what}; the precompute's CSC is damaged: start the job again"
+        )
+    return CorruptVersionError(
+        f"{stored.where}: {what}; it is damaged (resume with --allow-fallback to use an "
+        "older version)",
+        version=stored.version,
+        path=path,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +220,8 @@ class CscWindows:
         like: the same CSC in memory, when this process computed it: its window crcs
             are taken from it (its checksums must equal the committed ones) instead of
             a pass over the store.
+        crcs: the window crcs of `rows` and `values`, from whoever wrote them
+            (`embedding.csc_assembly`), instead of a pass over the store.
 
     Attributes:
         resident_bytes: bytes of window arrays held now (current and prefetched).
@@ -165,7 +236,11 @@ class CscWindows:
     """
 
     def __init__(
-        self, stored: StoredCSC, window_steps: int, like: CoalescedCSC | None = None
+        self,
+        stored: StoredCSC,
+        window_steps: int,
+        like: CoalescedCSC | None = None,
+        crcs: dict[str, list[int]] | None = None,
     ) -> None:
         if window_steps < 1:
             raise ValueError(f"csc_window_steps={window_steps}: give 1 or more steps")
@@ -176,13 +251,16 @@ class CscWindows:
         self.steps = stored.steps
         self.nnz = stored.nnz
         self.nbytes = stored.nbytes
-        cols = self.steps + 1
-        self.windows = -(-cols // window_steps)
-        bounds = np.minimum(np.arange(self.windows + 1, dtype=np.int64) * window_steps, cols)
+        bounds = window_edges(self.steps + 1, window_steps)
+        self.windows = bounds.size - 1
         self._edges = self.col_ptr[bounds]  # entry offset of each window's first column
         self._arrays = {k: _ArrayReader(stored, k) for k in ("rows", "values")}
-        if like is None:
-            self._crcs = {k: a.verify(self._edges) for k, a in self._arrays.items()}
+        if crcs is not None:
+            if any(len(crcs[k]) != self.windows for k in self._arrays):
+                raise ValueError(f"crcs of {len(crcs['rows'])} windows, not {self.windows}")
+            self._crcs = {k: list(crcs[k]) for k in self._arrays}
+        elif like is None:
+            self._crcs = {k: a.verify(self._edges * a.row_bytes) for k, a in self._arrays.items()}
         else:
             self._crcs = {k: self._crcs_of(k, like) for k in self._arrays}
         self._lock = threading.Lock()
@@ -198,19 +276,14 @@ class CscWindows:
         arr = like.rows if name == "rows" else like.values
         meta = self.metas[name]
         if tuple(arr.shape) != meta.shape or array_checksum(arr) != meta.checksum:
-            raise CorruptVersionError(
-                f"version {self.stored.version} of {self.stored.store.url}: the committed "
+            raise damaged(
+                self.stored,
+                meta.path,
                 f"CSC {name} of table {self.stored.param} is not the one this job computed",
-                version=self.stored.version,
-                path=meta.path,
             )
-        flat = arr.reshape(arr.shape[0], math.prod(arr.shape[1:]))
-        return [
-            crc32c.crc32c(
-                np.ascontiguousarray(flat[int(a) : int(z)]).reshape(-1).view(np.uint8).data
-            )
-            for a, z in zip(self._edges[:-1], self._edges[1:], strict=True)
-        ]
+        out = WindowCrcs(self._edges * (math.prod(arr.shape[1:]) * arr.dtype.itemsize))
+        out.feed(0, arr)
+        return out.crcs
 
     def column(self, t: int) -> tuple[np.ndarray, np.ndarray]:
         """(rows, values) applied before step t (t = steps: the tails), as the whole CSC
@@ -287,7 +360,6 @@ class _ArrayReader:
                 "(csc_window_steps=None)"
             )
         self.store = stored.store
-        self.version = stored.version
         self.meta = meta
         self.name = f"emb/{stored.param}/csc/{name}"
         self.dtype = np.dtype(meta.dtype)
@@ -296,24 +368,20 @@ class _ArrayReader:
         self.chunk_rows = int(meta.chunks[0])
         self.stored_len = self.chunk_rows * self.row_bytes
         self.chunks = -(-meta.shape[0] // self.chunk_rows) if meta.shape[0] else 0
-        check_confined(self.store, self.version, self.name, meta)
+        self.stored = stored
+        if stored.version is not None:  # one of ours otherwise: written by this job
+            check_confined(self.store, stored.version, self.name, meta)
 
     def _rel(self, i: int) -> str:
         return f"{self.meta.path}/{chunk_key(i, len(self.shape), self.meta.separator)}"
 
-    def _corrupt(self, what: str) -> CorruptVersionError:
-        return CorruptVersionError(
-            f"version {self.version} of {self.store.url}: array {self.meta.path} {what}; "
-            "it is damaged (resume with --allow-fallback to use an older version)",
-            version=self.version,
-            path=self.meta.path,
-        )
+    def _corrupt(self, what: str) -> StoreError:
+        return damaged(self.stored, self.meta.path, f"array {self.meta.path} {what}")
 
     def verify(self, edges: np.ndarray) -> list[int]:
         """Check every chunk and the whole array's checksum, one chunk in memory at a
-        time; the crc32c of each window's bytes (`edges`: its first entries)."""
-        wins = np.asarray(edges, dtype=np.int64) * self.row_bytes
-        crcs = [0] * (len(wins) - 1)
+        time; the crc32c of each window's bytes (`edges`: byte offsets, `WindowCrcs`)."""
+        crcs = WindowCrcs(edges)
         whole = 0
         for i in range(self.chunks):
             data = self.store.retry.call(functools.partial(self._chunk, i))
@@ -325,16 +393,10 @@ class _ArrayReader:
             lo = i * self.chunk_rows * self.row_bytes
             size = (min((i + 1) * self.chunk_rows, self.shape[0]) * self.row_bytes) - lo
             whole = crc32c.crc32c(view[:size], whole)
-            first = max(int(np.searchsorted(wins, lo, side="right")) - 1, 0)
-            for w in range(first, len(crcs)):
-                a, z = max(int(wins[w]), lo), min(int(wins[w + 1]), lo + size)
-                if a >= lo + size:
-                    break
-                if z > a:
-                    crcs[w] = crc32c.crc32c(view[a - lo : z - lo], crcs[w])
+            crcs.feed(lo, view[:size])
         if f"crc32c:{whole:08x}" != self.meta.checksum:
             raise self._corrupt(f"fails its checksum (the manifest says {self.meta.checksum})")
-        return crcs
+        return crcs.crcs
 
     def _chunk(self, i: int) -> bytes:
         return self.store.backend.read_bytes(self._rel(i))

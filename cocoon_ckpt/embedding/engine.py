@@ -6,6 +6,7 @@ where the dense mechanism would have put it (I5), up to rounding.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,17 +20,27 @@ from cocoon_ckpt.dp.generator import NoiseRng
 from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.embedding.config import TableMode, TableSpec
 from cocoon_ckpt.embedding.csc import CoalescedCSC
+from cocoon_ckpt.embedding.csc_assembly import CscAssembly, expected_col_ptr
 from cocoon_ckpt.embedding.csc_window import CscWindows, StoredCSC
 from cocoon_ckpt.embedding.lazy import LazyNoise
 from cocoon_ckpt.embedding.one_thread import one_thread
-from cocoon_ckpt.embedding.precompute import TileParts, precompute_csc, table_key, table_noise
+from cocoon_ckpt.embedding.precompute import (
+    TileParts,
+    precompute_csc,
+    precompute_into,
+    table_key,
+    table_noise,
+)
 from cocoon_ckpt.embedding.schedule import AccessSchedule
 from cocoon_ckpt.embedding.stored_tiles import tile_digest
 from cocoon_ckpt.keys import key_id
 from cocoon_ckpt.tiers.build import build_history
 from cocoon_ckpt.tiers.config import TierConfig
+from state import Store
 
 __all__ = ["TableEngine", "TablePlan"]
+
+log = logging.getLogger(__name__)
 
 _NP: dict[torch.dtype, type[np.floating]] = {torch.float32: np.float32, torch.float64: np.float64}
 
@@ -202,6 +213,53 @@ class TableEngine:
         self.precompute_seconds = time.perf_counter() - t0
         return self.csc
 
+    def precompute_to_store(
+        self, store: Store, progress: Any = None, parts: TileParts | None = None
+    ) -> CscWindows:
+        """Build the CSC of the cold rows into `store` (`embedding.csc_assembly`), never
+        whole in memory, and read it in windows of `csc_window_steps` from then on;
+        the first version references it (the writer lease must be held).
+
+        Raises:
+            ValueError: `csc_window_steps` is not set.
+        """
+        window = self.csc_window_steps
+        if window is None:
+            raise ValueError(
+                f"table {self.spec.param}: the CSC is assembled in the store only to be read "
+                "in windows; set csc_window_steps"
+            )
+        t0 = time.perf_counter()
+        assembly = CscAssembly(
+            store,
+            self.spec.param,
+            expected_col_ptr(self.schedule, self.order, self.plan.hot),
+            self.dim,
+            self.noise.np_dtype,
+            window,
+        )
+        try:
+            precompute_into(
+                assembly.add,
+                self.schedule,
+                self.order,
+                self.plan.hot,
+                self.dim,
+                self.mechanism,
+                self.noise,
+                self.factors,
+                tile_rows=self.tile_rows,
+                progress=progress,
+                parts=parts,
+            )
+            stored, crcs = assembly.finish()
+        finally:
+            assembly.close()
+        windows = CscWindows(stored, window, crcs=crcs)
+        self.csc = windows
+        self.precompute_seconds = time.perf_counter() - t0
+        return windows
+
     def set_csc(self, csc: CoalescedCSC | CscWindows | StoredCSC) -> None:
         """Use a CSC loaded from the store (it was checksummed there), read from it in
         windows, or committed in it: then read whole, or in windows when
@@ -308,6 +366,15 @@ class TableEngine:
             self.online.close()
         if isinstance(self.csc, CscWindows):
             self.csc.close()
+            log.info(
+                "table %s: CSC of %d bytes read in %d windows of %d steps, at most %d bytes "
+                "resident",
+                self.spec.param,
+                self.csc.nbytes,
+                self.csc.windows_read,
+                self.csc.window_steps,
+                self.csc.peak_resident_bytes,
+            )
 
     # state -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -47,6 +47,7 @@ __all__ = [
     "default_threads",
     "default_tile_rows",
     "precompute_csc",
+    "precompute_into",
     "table_key",
     "table_noise",
 ]
@@ -67,6 +68,9 @@ AFTER_TILE = hooks.declare(
 
 #: One tile's entries: (columns, rows, values) = ((E,) int64, (E,) int64, (E, dim)).
 TileEntries = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+#: A tile whose entries went to the sink (`precompute_csc(sink=...)`): done, not kept.
+_HANDED: TileEntries = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 0)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +201,63 @@ def precompute_csc(
         ValueError: `factors` is shorter than the run, `threads` < 1, or a tile holds a
             hot slot.
     """
+    entries = _entries(
+        schedule, order, hot, dim, mechanism, noise, factors, tile_rows, tiles, progress,
+        threads, parts, None,
+    )  # fmt: skip
+    n = schedule.steps
+    if not entries:
+        return CoalescedCSC(
+            np.zeros(n + 2, np.int64), np.zeros(0, np.int64), np.zeros((0, dim), noise.np_dtype)
+        )
+    return CoalescedCSC.from_entries(
+        n,
+        np.concatenate([p[0] for p in entries]),
+        np.concatenate([p[1] for p in entries]),
+        np.concatenate([p[2] for p in entries]),
+    )
+
+
+def precompute_into(
+    sink: Callable[[TileEntries], None],
+    schedule: AccessSchedule,
+    order: np.ndarray,
+    hot: int,
+    dim: int,
+    mechanism: BandMF,
+    noise: KeyedNoise,
+    factors: np.ndarray,
+    *,
+    tile_rows: int | None = None,
+    progress: Callable[[int], None] | None = None,
+    threads: int | None = None,
+    parts: TileParts | None = None,
+) -> None:
+    """`precompute_csc`, each tile's entries (loaded from `parts` or computed) handed
+    to `sink` in the caller's thread and let go, instead of kept to build the CSC in
+    memory (`embedding.csc_assembly` sorts them on disk)."""
+    _entries(
+        schedule, order, hot, dim, mechanism, noise, factors, tile_rows, None, progress,
+        threads, parts, sink,
+    )  # fmt: skip
+
+
+def _entries(
+    schedule: AccessSchedule,
+    order: np.ndarray,
+    hot: int,
+    dim: int,
+    mechanism: BandMF,
+    noise: KeyedNoise,
+    factors: np.ndarray,
+    tile_rows: int | None,
+    tiles: Sequence[np.ndarray] | None,
+    progress: Callable[[int], None] | None,
+    threads: int | None,
+    parts: TileParts | None,
+    sink: Callable[[TileEntries], None] | None,
+) -> list[TileEntries]:
+    """Every tile's entries (none with `sink`: each handed to it); `precompute_csc`."""
     n = schedule.steps
     if factors.shape[0] < n:
         raise ValueError(f"factors has {factors.shape[0]} steps, the precompute needs {n}")
@@ -222,8 +283,12 @@ def precompute_csc(
         reads = np.diff(schedule.row_ptr)
         for i, tile in enumerate(todo):
             like = TileLayout(int(reads[order[tile]].sum()) + tile.size, dim, np_dtype)
-            done[i] = parts.load(i, tile, like)
-            if done[i] is not None and progress is not None:
+            got = parts.load(i, tile, like)
+            if got is not None and sink is not None:
+                sink(got)
+                got = _HANDED  # let go: the loaded tiles are never all in memory
+            done[i] = got
+            if got is not None and progress is not None:
                 progress(tile.size)
     pending = [i for i, d in enumerate(done) if d is None]
     computed = [0]
@@ -231,7 +296,9 @@ def precompute_csc(
     def finish(i: int, entries: TileEntries) -> None:
         if parts is not None:
             parts.save(i, todo[i], entries)
-        done[i] = entries
+        if sink is not None:
+            sink(entries)
+        done[i] = entries if sink is None else _HANDED
         computed[0] += 1
         hooks.point(AFTER_TILE, step=computed[0], tile=i)
         if progress is not None:
@@ -242,17 +309,7 @@ def precompute_csc(
             finish(i, run(todo[i]))
     else:
         _run_pool(min(workers, len(pending)), pending, lambda i: run(todo[i]), finish)
-    entries = [d for d in done if d is not None]
-    if not entries:
-        return CoalescedCSC(
-            np.zeros(n + 2, np.int64), np.zeros(0, np.int64), np.zeros((0, dim), np_dtype)
-        )
-    return CoalescedCSC.from_entries(
-        n,
-        np.concatenate([p[0] for p in entries]),
-        np.concatenate([p[1] for p in entries]),
-        np.concatenate([p[2] for p in entries]),
-    )
+    return [d for d in done if d is not None and d is not _HANDED]
 
 
 def _run_pool(

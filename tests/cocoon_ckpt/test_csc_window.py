@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,30 +17,51 @@ import torch
 
 import state.arrays
 from cocoon_ckpt import BandMF, DPConfig, JobConfig, run_job
-from cocoon_ckpt.embedding import AccessSchedule, CoalescedCSC, precompute_csc, table_noise
+from cocoon_ckpt.embedding import (
+    AccessSchedule,
+    CoalescedCSC,
+    csc_assembly,
+    precompute_csc,
+    table_noise,
+)
 from cocoon_ckpt.embedding.config import EmbeddingConfig, TableMode
+from cocoon_ckpt.embedding.csc_assembly import CscAssembly, expected_col_ptr
 from cocoon_ckpt.embedding.csc_window import CSC_PARTS, CscWindows, StoredCSC
+from cocoon_ckpt.embedding.precompute import TileEntries, precompute_into
 from cocoon_ckpt.examples.dlrm import zipf_ids
 from cocoon_ckpt.format.stored import model_state
 from cocoon_ckpt.layout import emb_name
 from cocoon_ckpt.train.options import JobOptions
-from state import CorruptVersionError, Store
+from state import CorruptVersionError, Store, StoreError
 
 KEY = bytes(range(32))
 ROWS, STEPS, DIM = 400, 80, 4
 PARAM = "emb.weight"
 
 
-def _csc(rows: int = ROWS, steps: int = STEPS, dim: int = DIM, reads: int = 24) -> CoalescedCSC:
+HOT = 3
+
+
+def _case(
+    rows: int = ROWS, steps: int = STEPS, dim: int = DIM, reads: int = 24
+) -> tuple[AccessSchedule, dict[str, Any]]:
+    """A table's schedule, and the rest of what its precompute takes."""
     rng = np.random.default_rng(5)
     sched = AccessSchedule.from_step_rows(
         rows, [zipf_ids(rows, reads, 1.1, rng) for _ in range(steps)]
     )
     noise = table_noise(KEY, PARAM, rows, dim, 0.7, torch.float32)
-    return precompute_csc(
-        sched, sched.noise_order(), 3, dim, BandMF.banded_sqrt(4, steps), noise,
-        np.full(steps, 0.02), tile_rows=256, threads=1,
-    )  # fmt: skip
+    args = {
+        "schedule": sched, "order": sched.noise_order(), "hot": HOT, "dim": dim,
+        "mechanism": BandMF.banded_sqrt(4, steps), "noise": noise,
+        "factors": np.full(steps, 0.02),
+    }  # fmt: skip
+    return sched, args
+
+
+def _csc(rows: int = ROWS, steps: int = STEPS, dim: int = DIM, reads: int = 24) -> CoalescedCSC:
+    _, args = _case(rows, steps, dim, reads)
+    return precompute_csc(**args, tile_rows=256, threads=1)
 
 
 def _commit(root: Path, csc: CoalescedCSC) -> StoredCSC:
@@ -151,6 +173,114 @@ def test_a_byte_changed_in_the_store_is_caught_before_use(tmp_path: Path) -> Non
     other = CoalescedCSC(csc.col_ptr, csc.rows, csc.values + np.float32(1))
     with pytest.raises(CorruptVersionError, match="not the one this job computed"):
         CscWindows(stored, 5, like=other)
+
+
+def _assemble(
+    store: Store,
+    window: int,
+    tile_rows: int,
+    threads: int = 2,
+    case: tuple[AccessSchedule, dict[str, Any]] | None = None,
+) -> tuple[StoredCSC, dict[str, list[int]], CscAssembly]:
+    sched, args = case or _case()
+    ptr = expected_col_ptr(sched, args["order"], HOT)
+    assembly = CscAssembly(store, PARAM, ptr, args["dim"], np.dtype(np.float32), window)
+    try:
+        precompute_into(assembly.add, **args, tile_rows=tile_rows, threads=threads)
+        stored, crcs = assembly.finish()
+    finally:
+        assembly.close()
+    return stored, crcs, assembly
+
+
+@pytest.mark.usefixtures("small_chunks")
+@pytest.mark.parametrize("window", [1, 6, 1000])
+def test_a_csc_assembled_in_the_store_is_the_in_memory_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, window: int
+) -> None:
+    """Tiles spilled by bucket (a bucket per window here), sorted bucket by bucket and
+    streamed into the store: the same bytes as the CSC built in memory, and the window
+    crcs it hands over are those a verification pass of the store finds."""
+    monkeypatch.setattr(csc_assembly, "MIN_BUCKET_BYTES", 1)
+    whole = _csc()
+    root = tmp_path / "s.zarr"
+    store = Store.open(str(root))
+    store.acquire_lease()
+    stored, crcs, assembly = _assemble(store, window, tile_rows=37)
+    assert stored.version is None and not Path(assembly.spill).exists()
+    assert stored.metas["values"].chunks is not None
+    assert stored.metas["values"].chunks[0] < whole.nnz  # streamed over several chunks
+    assert assembly.bucket_cols.size - 1 == -(-(STEPS + 1) // window)
+    txn = store.begin(1)
+    for k, meta in stored.metas.items():
+        txn.reference(emb_name(PARAM, f"csc/{k}"), meta)
+    txn.commit()
+    version = store.latest()
+    assert version is not None
+    for k, arr in whole.arrays().items():
+        got = version.array(emb_name(PARAM, f"csc/{k}"))  # checked against its checksum
+        assert got.dtype == arr.dtype and got.tobytes() == arr.tobytes(), k
+    committed = StoredCSC.of_version(version, PARAM)
+    verified = CscWindows(committed, window)
+    assert verified._crcs == crcs
+    handed = CscWindows(stored, window, crcs=crcs)
+    steps = list(range(STEPS + 1))
+    assert _columns(handed, steps) == _columns(whole, steps)
+    verified.close()
+    handed.close()
+
+
+def test_the_assembly_never_holds_the_csc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tracemalloc over the whole precompute (tiles of 32 rows, windows of 4 steps,
+    buckets of 256 KiB), above what computing the tiles alone takes (the fresh noise's
+    own buffers): into the store, a bucket and its sorted copy, under half the CSC; in
+    memory, the entries and the CSC sorted from them, over twice the CSC."""
+    monkeypatch.setattr(csc_assembly, "MIN_BUCKET_BYTES", 256 << 10)
+    # chunks of 64 KiB: the store keeps a few hundred bytes per file until its fsync,
+    # which at 1 KiB chunks would outweigh the buckets (at 16 MiB it is nothing)
+    monkeypatch.setattr(state.arrays, "CHUNK_BYTES", 64 << 10)
+    store = Store.open(str(tmp_path / "s.zarr"))
+    store.acquire_lease()
+    case = _case(rows=2000, steps=160, dim=16, reads=1024)
+    args = case[1]
+    precompute_into(lambda _: None, **args, tile_rows=32, threads=1)  # one-time set-ups
+    peaks = {}
+    for run in ("tiles alone", "store", "memory"):
+        tracemalloc.start()
+        try:
+            if run == "tiles alone":
+                precompute_into(lambda _: None, **args, tile_rows=32, threads=1)
+            elif run == "store":
+                stored, _, assembly = _assemble(store, 4, tile_rows=32, threads=1, case=case)
+            else:
+                precompute_csc(**args, tile_rows=32, threads=1)
+            peaks[run] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    total = stored.nbytes
+    assert assembly.spilled_bytes > total
+    assert peaks["store"] - peaks["tiles alone"] < total / 2, (peaks, total)
+    assert peaks["memory"] - peaks["tiles alone"] > 2 * total, (peaks, total)
+
+
+def test_an_assembly_missing_a_tile_is_refused(tmp_path: Path) -> None:
+    store = Store.open(str(tmp_path / "s.zarr"))
+    store.acquire_lease()
+    sched, args = _case()
+    assembly = CscAssembly(
+        store, PARAM, expected_col_ptr(sched, args["order"], HOT), DIM, np.dtype(np.float32), 5
+    )
+    seen: list[int] = []
+
+    def all_but_the_second(entries: TileEntries) -> None:
+        seen.append(1)
+        if len(seen) != 2:
+            assembly.add(entries)
+
+    precompute_into(all_but_the_second, **args, tile_rows=64, threads=1)
+    with pytest.raises(StoreError, match="coalesced entries, its schedule says"):
+        assembly.finish()
+    assembly.close()
 
 
 def test_refusals_name_the_field() -> None:
