@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["EmbeddingNoise"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("cocoon_ckpt.embedding.precompute")
 
 
 def _check_sgd(optimizer: torch.optim.Optimizer, param: str, mode: TableMode) -> None:
@@ -193,7 +193,10 @@ class EmbeddingNoise:
                             store, e.spec.param, digest, writer, mac_key=self._tile_mac_key
                         )
                         kept.append(parts)
-                    e.precompute(progress, parts)
+                    if store is not None and e.csc_window_steps is not None:
+                        e.precompute_to_store(store, progress, parts)  # never whole in memory
+                    else:
+                        e.precompute(progress, parts)
         for parts in kept:
             log.info(
                 "table %s: precompute tiles loaded from the store: %d, computed: %d",
