@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["EmbeddingNoise"]
 
-log = logging.getLogger("cocoon_ckpt.embedding.precompute")
+log = logging.getLogger(__name__)
 
 
 def _check_sgd(optimizer: torch.optim.Optimizer, param: str, mode: TableMode) -> None:
