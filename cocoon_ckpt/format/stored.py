@@ -1,6 +1,7 @@
 """A committed version's parts read one by one: its typed records, the model, the
-config, the embedding plans. Trainer-free: the tools read versions
-through this module (`tools.export`), the resume and the codec too."""
+newest version's records (its config among them), the embedding plans. Trainer-free:
+the tools read versions through this module (`tools.export`), the resume and the codec
+too."""
 
 from __future__ import annotations
 

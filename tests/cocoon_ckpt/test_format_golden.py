@@ -157,9 +157,7 @@ def _equal(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
     if isinstance(a, list | tuple):
-        return (
-            type(a) is type(b) and len(a) == len(b) and all(map(_equal, a, b))  # type: ignore[arg-type]
-        )
+        return type(a) is type(b) and len(a) == len(b) and all(map(_equal, a, b))
     return bool(a == b) and type(a) is type(b)
 
 
@@ -189,7 +187,7 @@ def test_a_golden_version_decodes_to_the_state_that_wrote_it(golden: Store, step
     assert _equal(got["noise"]["ring"], want["noise"]["ring"])
     got["noise"]["ring"] = want["noise"]["ring"]
     for part in want:
-        assert _equal(got[part], want[part]), part  # type: ignore[literal-required]
+        assert _equal(got[part], want[part]), part
 
 
 @pytest.mark.parametrize("step", STEPS)
