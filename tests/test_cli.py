@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cocoon_ckpt._cli.exits import FAILURE
 from cocoon_ckpt._cli.main import main
 from state import Store
 
@@ -276,7 +277,9 @@ def test_storage_errors_are_one_line(
     code, _, err = _main(
         capsys, "inspect", "s3://bucket/run.zarr", "--storage-options", json.dumps(opts)
     )
-    assert code == 1 and err.count("\n") == 1 and "cannot reach the storage endpoint" in err, err
+    assert (
+        code == FAILURE and err.count("\n") == 1 and "cannot reach the storage endpoint" in err
+    ), err
 
 
 def test_ctrl_c_outside_training_is_exit_130_with_one_line(

@@ -11,6 +11,7 @@ import os
 from typing import TYPE_CHECKING
 
 from cocoon_ckpt._cli.args import add_json
+from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.train.config import DPConfig, JobConfig
 
 if TYPE_CHECKING:
@@ -84,11 +85,11 @@ def _check(args: argparse.Namespace) -> int:
         ValueError: a trial count out of range (a usage error, exit 2).
     """
     if args.trials < 1:
-        raise ValueError(f"--trials={args.trials} must be >= 1")
+        raise ConfigError(f"--trials={args.trials} must be >= 1")
     if args.kill_trials < 0:
-        raise ValueError(f"--kill-trials={args.kill_trials} must be >= 0")
+        raise ConfigError(f"--kill-trials={args.kill_trials} must be >= 0")
     if args.takeover_trials is not None and args.takeover_trials < 0:
-        raise ValueError(f"--takeover-trials={args.takeover_trials} must be >= 0")
+        raise ConfigError(f"--takeover-trials={args.takeover_trials} must be >= 0")
     if args.takeover_trials is not None:
         return int(args.takeover_trials)
     import importlib.util

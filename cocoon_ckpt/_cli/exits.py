@@ -1,10 +1,12 @@
 """What an error means to the shell: its exit code, from one table keyed by error class,
 and the one line that says what went wrong.
 
-Exit codes: 0 ok; 1 a valid request the job or store refused, audit or chaos findings,
-or an environment failure; 2 a usage error (bad arguments, not a store, a newer format,
-a missing version or key, a wrong output path); 128 + N stopped by signal N (130 Ctrl-C,
-141 a closed pipe, 143 SIGTERM).
+Exit codes, by what happened: 0 ok; 2 the request was malformed (`RequestError`: bad
+arguments, config or job, a missing or wrong key, not a store, a newer format, a missing
+version, a wrong output path); 1 a valid request the state of the store refused
+(`RefusedError`, `StoreError`), or audit and chaos findings; 3 a valid request that
+failed while it ran (`RunError`, an environment failure, anything unexpected); 128 + N
+stopped by signal N (130 Ctrl-C, 141 a closed pipe, 143 SIGTERM).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cocoon_ckpt.errors import CocoonError, ConfigError, NoiseKeyError, PreemptedError
+from cocoon_ckpt.errors import CocoonError, PreemptedError, RefusedError, RequestError, RunError
 from state import FormatVersionError, StoreError, StoreNotFoundError, VersionNotFoundError
 
 __all__ = ["EXIT_CODES", "FAILURE", "Named", "exit_code", "message", "user_frame"]
@@ -74,29 +76,33 @@ _UNREACHABLE = (
     Named("botocore.exceptions", "ConnectionClosedError", wrapped=True),
 )
 
-#: The first row the error is an instance of decides its exit code (order matters: many
-#: of our errors also derive from the builtin their callers catch, e.g. ConfigError is a
-#: ValueError); an error no row decides exits with FAILURE.
+#: A valid request that failed while it ran: `RunError`, and whatever no row decides.
+FAILURE = 3
+
+#: The first row the error is an instance of decides its exit code (order matters: our
+#: errors also derive from the builtin their callers catch, e.g. ConfigError is a
+#: ValueError, so the families come before the builtins); an error no row decides exits
+#: with FAILURE.
 EXIT_CODES: tuple[tuple[type[BaseException] | Named, Code], ...] = (
     (PreemptedError, _signal),  # after a checkpoint: rerunning resumes
     (KeyboardInterrupt, 128 + signal.SIGINT),
     (BrokenPipeError, 141),  # 128 + SIGPIPE (not defined on Windows): the reader left
-    # the input was wrong, not a valid request refused
-    (ConfigError, 2),
-    (NoiseKeyError, 2),
+    # the request was malformed
+    (RequestError, 2),
     (StoreNotFoundError, 2),  # and NotAStoreError: a file, a user folder, a plain zarr group
     (FormatVersionError, 2),
     (VersionNotFoundError, 2),
-    (Named("cocoon_ckpt.tools.export", "ExportPathError"), 2),  # a wrong --out
-    # a valid request the job or store refused
-    (CocoonError, 1),
+    # a valid request the state of the store refused
+    (RefusedError, 1),
     (StoreError, 1),
+    # a valid request that failed while it ran
+    (RunError, FAILURE),
+    (CocoonError, FAILURE),
     # the builtins a bad argument raises deeper down
     (ValueError, 2),
     (OSError, _path),
     *((named, 2) for named in _NO_CREDENTIALS),
 )
-FAILURE = 1
 
 
 def exit_code(exc: BaseException) -> int:

@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from cocoon_ckpt.errors import ConfigError
+
 __all__ = ["EmbeddingConfig", "TableMode", "TableSpec"]
 
 
@@ -44,9 +46,9 @@ class TableSpec:
 
     def __post_init__(self) -> None:
         if not self.param:
-            raise ValueError("TableSpec.param='': name the table's parameter, e.g. 'emb.weight'")
+            raise ConfigError("TableSpec.param='': name the table's parameter, e.g. 'emb.weight'")
         if self.data_index < 0 or self.column < 0:
-            raise ValueError(
+            raise ConfigError(
                 f"TableSpec for {self.param}: data_index={self.data_index}, "
                 f"column={self.column} must be >= 0"
             )
@@ -86,9 +88,9 @@ class EmbeddingConfig:
         object.__setattr__(self, "mode", TableMode(self.mode))
         names = [t.param for t in self.tables]
         if len(set(names)) != len(names):
-            raise ValueError(f"EmbeddingConfig.tables names a parameter twice: {names}")
+            raise ConfigError(f"EmbeddingConfig.tables names a parameter twice: {names}")
         if self.threat_model not in ("intermediate_iterates", "final_model"):
-            raise ValueError(
+            raise ConfigError(
                 f"EmbeddingConfig.threat_model={self.threat_model!r}: must be "
                 "'intermediate_iterates' or 'final_model'"
             )
@@ -96,25 +98,25 @@ class EmbeddingConfig:
             self.mode in (TableMode.COALESCED, TableMode.LAZY)
             and self.threat_model != "final_model"
         ):
-            raise ValueError(
+            raise ConfigError(
                 f"EmbeddingConfig.mode={self.mode.value!r} needs threat_model='final_model': "
                 "intermediate checkpoints would not carry the full noise of cold rows. "
                 "Set threat_model='final_model' (only the final model may be released) or "
                 "use mode='dense'"
             )
         if self.hot_threshold is not None and self.hot_threshold < 0:
-            raise ValueError(f"EmbeddingConfig.hot_threshold={self.hot_threshold}: must be >= 0")
+            raise ConfigError(f"EmbeddingConfig.hot_threshold={self.hot_threshold}: must be >= 0")
         if self.tile_rows is not None and self.tile_rows < 1:
-            raise ValueError(f"EmbeddingConfig.tile_rows={self.tile_rows}: must be >= 1")
+            raise ConfigError(f"EmbeddingConfig.tile_rows={self.tile_rows}: must be >= 1")
         if self.csc_window_steps is not None and self.csc_window_steps < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"EmbeddingConfig.csc_window_steps={self.csc_window_steps}: give 1 or more "
                 "steps per window, or None to hold the whole CSC in memory"
             )
         if self.lr_schedule is not None:
             lrs = tuple(float(x) for x in self.lr_schedule)
             if not all(math.isfinite(x) and x >= 0 for x in lrs):
-                raise ValueError("EmbeddingConfig.lr_schedule: every rate must be finite, >= 0")
+                raise ConfigError("EmbeddingConfig.lr_schedule: every rate must be finite, >= 0")
             object.__setattr__(self, "lr_schedule", lrs)
 
     @property

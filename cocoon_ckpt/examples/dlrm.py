@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from cocoon_ckpt.embedding.config import TableSpec
+from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.train.parts import JobParts, make_optimizer
 
 if TYPE_CHECKING:
@@ -40,12 +41,12 @@ def table_rows(tables: str | list[int], scale: float = 1.0) -> list[int]:
     """Row counts: a list as given, or "criteo-kaggle"; each times `scale` (>= 1 row)."""
     if isinstance(tables, str):
         if tables != "criteo-kaggle":
-            raise ValueError(f"tables={tables!r}: give a list of row counts or 'criteo-kaggle'")
+            raise ConfigError(f"tables={tables!r}: give a list of row counts or 'criteo-kaggle'")
         base = list(CRITEO_KAGGLE_ROWS)
     else:
         base = [int(r) for r in tables]
     if not scale > 0:
-        raise ValueError(f"scale={scale}: must be > 0")
+        raise ConfigError(f"scale={scale}: must be > 0")
     return [max(1, round(r * scale)) for r in base]
 
 
@@ -53,9 +54,9 @@ def zipf_ids(rows: int, n: int, exponent: float, rng: np.random.Generator) -> np
     """n row ids in [0, rows) with P(id = k) ~ (k+1)^-exponent, by inverse CDF of the
     continuous power law (O(n), fast at 10^7 rows). exponent must be > 0 and != 1."""
     if rows < 1:
-        raise ValueError(f"rows={rows} must be >= 1")
+        raise ConfigError(f"rows={rows} must be >= 1")
     if exponent <= 0 or exponent == 1.0:
-        raise ValueError(f"zipf exponent={exponent} must be > 0 and != 1")
+        raise ConfigError(f"zipf exponent={exponent} must be > 0 and != 1")
     u = rng.random(n)
     a = 1.0 - exponent
     x = ((float(rows + 1) ** a - 1.0) * u + 1.0) ** (1.0 / a)

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from cocoon_ckpt.errors import CocoonError
+from cocoon_ckpt.errors import RequestError
 from cocoon_ckpt.records import MetricSeries, MetricsRecord
 from state import Version
 
@@ -62,7 +62,7 @@ _READ_SCHEMAS = (1, 2)
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]{0,63}")
 
 
-class MetricsError(CocoonError, ValueError):
+class MetricsError(RequestError, ValueError):
     """A logged scalar is refused (its name, its value or its step), or a stored
     metrics record is malformed."""
 

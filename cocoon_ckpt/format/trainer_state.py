@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from cocoon_ckpt._state_dict import check_state
+from cocoon_ckpt.errors import StoredStateError
 from cocoon_ckpt.records import IdentityRecord, PlacementRecord
 
 if TYPE_CHECKING:
@@ -170,7 +171,7 @@ def check_trainer_state(state: TrainerState, scheduler: Any, stateful: dict[str,
     if (stored is None) != (scheduler is None) or (
         stored is not None and stored["kind"] != _kind(scheduler)
     ):
-        raise ValueError(
+        raise StoredStateError(
             f"the stored LR scheduler is {stored['kind'] if stored else None}, this job's is "
             f"{_kind(scheduler) if scheduler is not None else None}: resume with the "
             "scheduler the job started with"
@@ -178,7 +179,7 @@ def check_trainer_state(state: TrainerState, scheduler: Any, stateful: dict[str,
     mine = {n: _kind(p) for n, p in stateful.items()}
     theirs = {n: p["kind"] for n, p in state["stateful"].items()}
     if mine != theirs:
-        raise ValueError(
+        raise StoredStateError(
             f"the stored stateful parts are {theirs}, this job's are {mine}: resume with "
             "the JobParts.stateful the job started with"
         )
@@ -258,16 +259,16 @@ def load_table_arrays(emb: EmbeddingNoise, tables: list[TableArrays]) -> None:
     """Check each stored noise order against this job's, and use the stored CSCs.
 
     Raises:
-        ValueError: the tables differ, or a table's noise order changed.
+        StoredStateError: the tables differ, or a table's noise order changed.
     """
     if [t["param"] for t in tables] != [e.spec.param for e in emb.engines]:
-        raise ValueError(
+        raise StoredStateError(
             f"stored embedding tables {[t['param'] for t in tables]} differ from this "
             f"job's {[e.spec.param for e in emb.engines]}"
         )
     for e, rec in zip(emb.engines, tables, strict=True):
         if not np.array_equal(rec["order"], e.order):
-            raise ValueError(
+            raise StoredStateError(
                 f"table {e.spec.param}: the stored noise order differs from the one this "
                 "job's sampler and data give: the access schedule changed"
             )

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.tiers.base import GemvMode
 
 __all__ = ["TierConfig"]
@@ -52,20 +53,20 @@ class TierConfig:
         for name in ("device_bytes", "host_bytes", "far_bytes"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-                raise ValueError(f"TierConfig.{name}={v!r}: must be an integer >= 0 or None")
+                raise ConfigError(f"TierConfig.{name}={v!r}: must be an integer >= 0 or None")
         if self.far_link_bytes_per_s is not None and not self.far_link_bytes_per_s > 0:
-            raise ValueError(
+            raise ConfigError(
                 f"TierConfig.far_link_bytes_per_s={self.far_link_bytes_per_s!r}: must be > 0 "
                 "or None"
             )
         if not isinstance(self.unit_blocks, int) or self.unit_blocks < 1:
-            raise ValueError(f"TierConfig.unit_blocks={self.unit_blocks!r}: must be >= 1")
+            raise ConfigError(f"TierConfig.unit_blocks={self.unit_blocks!r}: must be >= 1")
         if self.profile_reps < 1:
-            raise ValueError(f"TierConfig.profile_reps={self.profile_reps!r}: must be >= 1")
+            raise ConfigError(f"TierConfig.profile_reps={self.profile_reps!r}: must be >= 1")
         if self.counts is not None:
             bad = set(self.counts) - set(TIER_NAMES)
             if bad or any(not isinstance(n, int) or n < 0 for n in self.counts.values()):
-                raise ValueError(
+                raise ConfigError(
                     f"TierConfig.counts={self.counts!r}: must map tier names {TIER_NAMES} "
                     "to unit counts >= 0"
                 )

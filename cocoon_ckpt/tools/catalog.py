@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.format.metrics import METRICS_RECORD, MetricsError, read_metrics
 from cocoon_ckpt.layout import KEY_SECRET, THREAT_MODEL_DEFAULT, THREAT_MODELS, array_kind
 from cocoon_ckpt.records import EmbeddingRecord
@@ -323,7 +324,7 @@ def collect_garbage(
             nothing was deleted.
     """
     if keep < 2:
-        raise ValueError(f"--keep={keep} must be >= 2 (the newest two versions always stay)")
+        raise ConfigError(f"--keep={keep} must be >= 2 (the newest two versions always stay)")
     store = Store.open(url, storage_options=storage_options, create=False)
     before = store.versions()
 

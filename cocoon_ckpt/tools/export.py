@@ -21,7 +21,7 @@ import torch
 from cocoon_ckpt._state_dict import plain_keys
 from cocoon_ckpt.dp.accounting.amplified import epsilon_of_run
 from cocoon_ckpt.dp.accounting.method import AccountingMethod
-from cocoon_ckpt.errors import CocoonError, ConfigError
+from cocoon_ckpt.errors import ConfigError, RequestError
 from cocoon_ckpt.format.stored import model_state, newest_records
 from cocoon_ckpt.keys import load_key, manifest_mac_key, read_key_file, sealed_under, wrong_key
 from cocoon_ckpt.layout import KEY_SECRET, THREAT_MODEL_DEFAULT
@@ -43,7 +43,7 @@ def read_config(store_url: str, storage_options: dict[str, Any] | None = None) -
 REPORT_SUFFIX = ".privacy.json"
 
 
-class ExportPathError(CocoonError, ValueError):
+class ExportPathError(RequestError, ValueError):
     """`export --out` names a path export must not write: inside the store, in a
     missing folder, or a file that already exists."""
 

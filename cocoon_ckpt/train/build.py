@@ -17,7 +17,7 @@ from cocoon_ckpt._state_dict import uncompiled
 from cocoon_ckpt.dp.sampler import CyclicPoissonSampler
 from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.embedding.engine import TablePlan
-from cocoon_ckpt.errors import ConfigError
+from cocoon_ckpt.errors import ConfigError, JobError
 from cocoon_ckpt.format.part_state import encode_part_state
 from cocoon_ckpt.layout import SCHEDULER_PREFIX, THREAT_MODEL_DEFAULT, stateful_prefix
 from cocoon_ckpt.records import ModelShapes
@@ -55,7 +55,7 @@ def build_trainer(
     config).
 
     Raises:
-        ValueError: the builder does not take (config) or does not return JobParts.
+        JobError: the builder does not take (config) or does not return JobParts.
         ConfigError, UnsupportedModelError: a part is refused (`check_parts`).
     """
     parts = job_parts(config, builder)
@@ -89,7 +89,7 @@ def job_parts(config: JobConfig, builder: Callable[..., JobParts] | None) -> Job
     """The job's parts: `builder(config)` (None: `config.job` resolved), called once.
 
     Raises:
-        ValueError: the builder does not take (config) or does not return JobParts.
+        JobError: the builder does not take (config) or does not return JobParts.
     """
     build = builder or resolve(config.job)
     try:
@@ -97,13 +97,13 @@ def job_parts(config: JobConfig, builder: Callable[..., JobParts] | None) -> Job
     except TypeError as exc:
         if exc.__traceback__ is not None and exc.__traceback__.tb_next is None:
             # raised by the call itself, not inside the builder: a wrong signature
-            raise ValueError(
+            raise JobError(
                 f"job {config.job!r}: the builder must be a function of one argument, the "
                 f"JobConfig, returning JobParts ({exc})"
             ) from None
         raise
     if not isinstance(parts, JobParts):
-        raise ValueError(
+        raise JobError(
             f"job {config.job!r}: the builder returned {type(parts).__name__}, not JobParts"
         )
     return parts
@@ -222,7 +222,7 @@ def _embedding(config: JobConfig, parts: JobParts) -> EmbeddingConfig | None:
 
 def _dataset(config: JobConfig, parts: JobParts) -> Dataset[Any] | Sequence[torch.Tensor]:
     if parts.dataset is None:  # JobParts sets it; keeps the type exact
-        raise ValueError(f"job {config.job!r}: JobParts has no dataset")
+        raise JobError(f"job {config.job!r}: JobParts has no dataset")
     return parts.dataset
 
 

@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, default_collate
 
 from cocoon_ckpt.dp.sampler import CyclicPoissonSampler
+from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.train.workers import DEFAULT_WORKER_TIMEOUT_S, WorkerInit, WorkerLoader
 
 __all__ = [
@@ -337,7 +338,7 @@ def make_loader(
     data = as_dataset(dataset)
     n = dataset_size(data)
     if n != sampler.dataset_size:
-        raise ValueError(
+        raise ConfigError(
             f"the sampler draws from dataset_size={sampler.dataset_size} examples but the "
             f"dataset holds {n}: set DPConfig.dataset_size to len(dataset)"
         )
@@ -347,7 +348,7 @@ def make_loader(
     # per step (_seeded), so the base seed itself changes no batch.
     generator = torch.Generator().manual_seed(0)
     if not timeout_s > 0 or timeout_s == float("inf"):
-        raise ValueError(f"timeout_s={timeout_s!r} must be a finite number of seconds > 0")
+        raise ConfigError(f"timeout_s={timeout_s!r} must be a finite number of seconds > 0")
     return WorkerLoader(
         _Indexed(data, sampler.seed, fast=collate_fn is None),
         batch_sampler=batches,

@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from cocoon_ckpt.errors import ConfigMismatchError
+from cocoon_ckpt.errors import ConfigError, ConfigMismatchError, StoredStateError
 
 __all__ = ["resolve_grad_threads", "resumed_grad_threads"]
 
@@ -35,7 +35,7 @@ def resolve_grad_threads(requested: int | None) -> int:
     if requested is None:
         return torch.get_num_threads()
     if type(requested) is not int or requested < 1:
-        raise ValueError(
+        raise ConfigError(
             f"grad_threads={requested!r} must be an int >= 1 (torch intra-op threads for "
             "the per-sample gradients), or None for torch's current count"
         )
@@ -61,7 +61,7 @@ def resumed_grad_threads(stored: object, requested: int | None, where: str) -> i
     if stored is None:
         return None
     if type(stored) is not int or stored < 1:
-        raise ValueError(f"record grad_threads={stored!r} is not an int >= 1")
+        raise StoredStateError(f"record grad_threads={stored!r} is not an int >= 1")
     if requested is not None and requested != stored:
         raise ConfigMismatchError(
             f"{where} took its gradients at grad_threads={stored}, this job asks for "

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NotRequired, get_origin, get_type_hints
 
-from cocoon_ckpt.errors import CocoonError
+from cocoon_ckpt.errors import RequestError
 from cocoon_ckpt.keys import key_id, key_location
 from cocoon_ckpt.records import JobRecords
 from cocoon_ckpt.train import config as cfgmod
@@ -35,7 +35,7 @@ REQUIRED: tuple[str, ...] = tuple(
 )
 
 
-class IncompleteRecordsError(CocoonError, ValueError):
+class IncompleteRecordsError(RequestError, ValueError):
     """A checkpoint was asked to write a version without the job's records."""
 
 

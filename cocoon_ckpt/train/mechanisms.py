@@ -24,7 +24,7 @@ from cocoon_ckpt.dp.blt.strategy import BLT
 from cocoon_ckpt.dp.generator import NoiseRng
 from cocoon_ckpt.dp.mechanism import BandMF, MechanismKind
 from cocoon_ckpt.dp.noise_mechanism import NoiseMechanism
-from cocoon_ckpt.errors import ConfigError
+from cocoon_ckpt.errors import ConfigError, StoredStateError
 from cocoon_ckpt.tiers.build import build_history
 from cocoon_ckpt.tiers.config import TierConfig
 from cocoon_ckpt.train.config import DPConfig
@@ -67,14 +67,14 @@ def mechanism_from_state(state: dict[str, Any]) -> Mechanism:
     a BLT's parameters as stored, never refitted).
 
     Raises:
-        ValueError: `state` is neither a BandMF's nor a BLT's (its `kind` is named).
+        StoredStateError: `state` is neither a BandMF's nor a BLT's (its `kind` is named).
     """
     kind = state.get("kind")
     if kind == "BLT":
         return BLT.from_state_dict(state)
     if kind == "BandMF":
         return BandMF.from_state_dict(state)
-    raise ValueError(f"mechanism state of kind {kind!r}: expected 'BandMF' or 'BLT'")
+    raise StoredStateError(f"mechanism state of kind {kind!r}: expected 'BandMF' or 'BLT'")
 
 
 def check_mechanism(config: DPConfig, mechanism: Mechanism, *, embedding: bool) -> None:

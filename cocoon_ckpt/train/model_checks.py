@@ -28,7 +28,7 @@ def table_specs(embedding: EmbeddingConfig | None) -> tuple[TableSpec, ...]:
     """
     tables = tuple(embedding.tables) if embedding is not None else ()
     if embedding is not None and not tables:
-        raise ValueError(
+        raise ConfigError(
             "embedding noise is configured but no table is named: list them in "
             "EmbeddingConfig.tables, or declare them in the job (JobParts.tables)"
         )

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from cocoon_ckpt.errors import ConfigError
+from cocoon_ckpt.errors import ConfigError, JobError
 from cocoon_ckpt.keys import key_id, load_key, read_key_file
 from cocoon_ckpt.layout import KEY_SECRET
 from state import Store, StoreNotFoundError
@@ -141,7 +141,7 @@ def parts_values(config: JobConfig, parts: JobParts) -> dict[str, str]:
     from cocoon_ckpt.train.job_data import JobData
 
     if parts.dataset is None:  # JobParts sets it; keeps the type exact
-        raise ValueError(f"job {config.job!r}: JobParts has no dataset")
+        raise JobError(f"job {config.job!r}: JobParts has no dataset")
     model = uncompiled(parts.model)
     data = JobData(parts.dataset, config.dp.dataset_size, needs_tensors=bool(config.embedding))
     identity = job_identity(

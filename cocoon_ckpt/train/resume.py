@@ -17,7 +17,7 @@ from typing import Any
 from cocoon_ckpt.dp.blt.strategy import BLT
 from cocoon_ckpt.dp.generator import check_generator_backend
 from cocoon_ckpt.dp.mechanism import MechanismKind
-from cocoon_ckpt.errors import CocoonError, ConfigMismatchError, NoiseKeyError
+from cocoon_ckpt.errors import CocoonError, ConfigMismatchError, NoiseKeyError, StoredStateError
 from cocoon_ckpt.format.codec import decode
 from cocoon_ckpt.format.stored import records_of, stored_table_plans
 from cocoon_ckpt.keys import key_id
@@ -84,6 +84,8 @@ def prepare_trainer(
                 trainer.load_state_dict(decode(latest, like))
             except (KeyError, TypeError, IndexError, AttributeError) as exc:
                 raise malformed_version(store, latest, exc) from None
+            except StoredStateError as exc:  # another job's state: name the version
+                raise StoredStateError(f"version {latest.version} of {store.url}: {exc}") from None
             except ValueError as exc:
                 if isinstance(exc, CocoonError):  # our own refusals keep their class
                     raise

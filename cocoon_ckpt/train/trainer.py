@@ -18,7 +18,7 @@ from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.embedding.engine import TablePlan
 from cocoon_ckpt.embedding.one_thread import fixed_threads
 from cocoon_ckpt.embedding.tables import EmbeddingNoise
-from cocoon_ckpt.errors import ConfigError, NonFiniteGradientError
+from cocoon_ckpt.errors import ConfigError, NonFiniteGradientError, StoredStateError
 from cocoon_ckpt.format.trainer_state import (
     TRAINER_SCHEMA,
     TrainerState,
@@ -474,12 +474,12 @@ class DPTrainer:
         """
         check_trainer_state(state, self.scheduler, self.stateful)
         if (state["embedding"] is None) != (self.embedding is None):
-            raise ValueError("the stored state and this trainer disagree on embedding tables")
+            raise StoredStateError("the stored state and this trainer disagree on embedding tables")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.noise.load_state_dict(state["noise"])
         if state["sampler"] != self.sampler.state_dict():
-            raise ValueError(f"sampler state {state['sampler']} does not match this job's")
+            raise StoredStateError(f"sampler state {state['sampler']} does not match this job's")
         self.accountant.load_state_dict(state["accountant"])
         if self.embedding is not None and state["embedding"] is not None:
             load_table_arrays(self.embedding, state["embedding_tables"] or [])

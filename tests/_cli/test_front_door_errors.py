@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from cocoon_ckpt import DPConfig
+from cocoon_ckpt._cli.exits import FAILURE
 from cocoon_ckpt._cli.main import main
 from cocoon_ckpt.errors import ConfigError
 
@@ -133,7 +134,7 @@ def test_an_unknown_url_scheme_names_the_argument_and_the_known_schemes(
 def test_an_exception_in_the_users_builder_names_their_file_and_line(
     capsys: pytest.CaptureFixture[str], job: str, out: Path
 ) -> None:
-    err = _refused(capsys, out, 1, *_train(f"{job}:boom", out))
+    err = _refused(capsys, out, FAILURE, *_train(f"{job}:boom", out))
     file = Path.cwd() / f"{job}.py"
     assert f"RuntimeError: the user's bug (at {file}:{_line('LINE_BOOM')} in boom;" in err
 
@@ -141,7 +142,7 @@ def test_an_exception_in_the_users_builder_names_their_file_and_line(
 def test_an_exception_in_the_users_dataset_names_their_file_and_line(
     capsys: pytest.CaptureFixture[str], job: str, out: Path
 ) -> None:
-    err = _refused(capsys, out, 1, *_train(f"{job}:broken", out))
+    err = _refused(capsys, out, FAILURE, *_train(f"{job}:broken", out))
     file = Path.cwd() / f"{job}.py"
     assert "KeyError: 'no record" in err
     assert f"(at {file}:{_line('LINE_GETITEM')} in __getitem__;" in err

@@ -137,7 +137,7 @@ def _ranks(world: int, argv: list[str], counts: Path | None = None) -> list[tupl
             "but the dataset holds len(dataset)=511",
         ),
         # a model the trainer refuses when built: refused before the coordinator writes
-        ("half", (), 1, "trainable parameters must be float32/float64"),
+        ("half", (), 2, "trainable parameters must be float32/float64"),
     ],
     ids=["optimizer", "dataset-on-rank-1", "half"],
 )

@@ -59,7 +59,7 @@ def test_the_errors_it_wraps_arrive_too_and_decide_the_same_exit() -> None:
     chain too. (botocore comes with the test extra's s3fs and moto.)"""
     import botocore.exceptions as botocore
 
-    from cocoon_ckpt._cli.exits import exit_code, message
+    from cocoon_ckpt._cli.exits import FAILURE, exit_code, message
 
     try:
         try:
@@ -74,9 +74,9 @@ def test_the_errors_it_wraps_arrive_too_and_decide_the_same_exit() -> None:
     assert got.__suppress_context__ and caught.__suppress_context__
     assert exit_code(got) == exit_code(caught) == 2
     assert message(got) == message(caught) and "credentials" in message(got)
-    # without the chain the copy would exit 1 with another line
+    # without the chain the copy would exit as a failure, with another line
     bare = unpacked(packed(caught)._replace(cause=None, context=None))
-    assert exit_code(bare) == 1
+    assert exit_code(bare) == FAILURE
 
 
 def test_a_context_is_kept_and_the_chain_is_bounded() -> None:

@@ -9,6 +9,7 @@ from cocoon_ckpt._state_dict import check_state
 from cocoon_ckpt.dp.accounting.amplified import epsilon, validate_arguments
 from cocoon_ckpt.dp.accounting.method import AccountingMethod
 from cocoon_ckpt.dp.blt.accounting import blt_dp_event, blt_epsilon
+from cocoon_ckpt.errors import StoredStateError
 
 __all__ = ["Accountant"]
 
@@ -153,7 +154,7 @@ class Accountant:
             float(state["delta"]),
         )
         if mine != theirs or self.sensitivity != _sensitivity(state):
-            raise ValueError(
+            raise StoredStateError(
                 f"accountant state is for (sigma, N, B, b, delta)={theirs} at sensitivity "
                 f"{_sensitivity(state)}, this accountant is {mine} at {self.sensitivity}"
             )

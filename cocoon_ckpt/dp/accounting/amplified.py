@@ -20,6 +20,7 @@ from dp_accounting import pld, rdp
 
 from cocoon_ckpt.dp.accounting.method import AccountingMethod
 from cocoon_ckpt.dp.accounting.pld_composition import PLD_INTERVAL, one_round, pld_epsilon
+from cocoon_ckpt.errors import ConfigError
 
 __all__ = [
     "AccountingMethod",
@@ -45,29 +46,29 @@ def validate_arguments(
     skips its check, for calibration).
 
     Raises:
-        ValueError: the message names the argument, its value and the rule.
+        ConfigError: the message names the argument, its value and the rule.
     """
     if noise_multiplier is not None and not (
         noise_multiplier > 0 and math.isfinite(noise_multiplier)
     ):
-        raise ValueError(f"noise_multiplier={noise_multiplier} must be > 0")
+        raise ConfigError(f"noise_multiplier={noise_multiplier} must be > 0")
     if not isinstance(dataset_size, int) or dataset_size < 1:
-        raise ValueError(f"dataset_size={dataset_size} must be an integer >= 1")
+        raise ConfigError(f"dataset_size={dataset_size} must be an integer >= 1")
     if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size={batch_size} must be an integer >= 1")
+        raise ConfigError(f"batch_size={batch_size} must be an integer >= 1")
     if batch_size > dataset_size:
-        raise ValueError(f"batch_size={batch_size} exceeds dataset_size={dataset_size}")
+        raise ConfigError(f"batch_size={batch_size} exceeds dataset_size={dataset_size}")
     if not isinstance(bands, int) or bands < 1:
-        raise ValueError(f"bands={bands} must be an integer >= 1")
+        raise ConfigError(f"bands={bands} must be an integer >= 1")
     if batch_size * bands > dataset_size:
-        raise ValueError(
+        raise ConfigError(
             f"batch_size * bands = {batch_size * bands} exceeds dataset_size={dataset_size}: "
             "the sampling rate q = batch_size * bands / dataset_size would exceed 1"
         )
     if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps={steps} must be an integer >= 1")
+        raise ConfigError(f"steps={steps} must be an integer >= 1")
     if not 0 < delta < 1:
-        raise ValueError(f"delta={delta} must lie in (0, 1)")
+        raise ConfigError(f"delta={delta} must lie in (0, 1)")
 
 
 def dp_event(
@@ -128,7 +129,7 @@ def epsilon_of_event(record: Mapping[str, Any], delta: float, method: str = "pld
             (`event_from_record`).
     """
     if not 0 < delta < 1:
-        raise ValueError(f"delta={delta} must lie in (0, 1)")
+        raise ConfigError(f"delta={delta} must lie in (0, 1)")
     m = AccountingMethod(method)
     event = event_from_record(record)
     if isinstance(event, dp_accounting.GaussianDpEvent):

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from cocoon_ckpt.embedding.csc_window import CscWindows, StoredCSC
+from cocoon_ckpt.errors import StoredStateError
 from cocoon_ckpt.format.ring_rows import borrowable, encode_slots, load_ring
 from cocoon_ckpt.format.snapshot import Encoded
 from cocoon_ckpt.format.stored import records_of
@@ -99,11 +100,11 @@ def decode(
     """The embedding state and table arrays a version holds (None, None: no tables).
 
     Raises:
-        ValueError: the version and the trainer disagree on embedding tables.
+        StoredStateError: the version and the trainer disagree on embedding tables.
     """
     emb = records_of(version).get("embedding")
     if (emb is None) != (like["embedding"] is None):
-        raise ValueError(
+        raise StoredStateError(
             f"version {version.version} {'has' if emb else 'has no'} embedding noise state, "
             f"this job {'has' if like['embedding'] else 'has no'} embedding tables"
         )

@@ -8,6 +8,7 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
+from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.keys import load_key, manifest_mac_key, wrong_key
 from cocoon_ckpt.tools.audit.arrays import check_checksums, check_store_bounds
 from cocoon_ckpt.tools.audit.chain import check_chain
@@ -121,9 +122,9 @@ def audit_store(
         MissingExtraError: `plot_dir` is given and matplotlib is not installed.
     """
     if coordinates < 1:
-        raise ValueError(f"coordinates={coordinates} must be >= 1")
+        raise ConfigError(f"coordinates={coordinates} must be >= 1")
     if seed is not None and seed < 0:
-        raise ValueError(f"seed={seed} must be >= 0")
+        raise ConfigError(f"seed={seed} must be >= 0")
     if plot_dir is not None:
         from cocoon_ckpt.tools.plots import require_matplotlib
 
