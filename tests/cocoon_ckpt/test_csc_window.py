@@ -7,6 +7,11 @@ mechanism ends (I5)."""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import sys
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -17,6 +22,7 @@ import torch
 
 import state.arrays
 from cocoon_ckpt import BandMF, DPConfig, JobConfig, run_job
+from cocoon_ckpt._cli.main import main
 from cocoon_ckpt.embedding import (
     AccessSchedule,
     CoalescedCSC,
@@ -353,3 +359,67 @@ def test_windowed_jobs_end_on_the_whole_cscs_model(tmp_path: Path) -> None:
         for k in CSC_PARTS
     }
     assert len(paths) == len(CSC_PARTS)
+
+
+# -- a real `cocoon-ckpt train`, SIGKILLed while it reads its CSC in windows -----------
+
+_RESIDENT = re.compile(
+    r"table (\S+): CSC of (\d+) bytes read in (\d+) windows of (\d+) steps, "
+    r"at most (\d+) bytes resident"
+)
+
+
+def _train_args(store: Path, key: Path, window: int | None) -> list[str]:
+    # every row cold (read at most 1000 times): ~8 entries a row against its one tail, so
+    # the tails' window, the largest, is a fraction of the CSC
+    return [
+        *("--log-level", "INFO", "train", "--example", "dlrm"),
+        *("--embedding", "coalesced", "--threat-model", "final_model", "--hot-threshold", "1000"),
+        *("--job-option", "tables=[500,300]", "--store", str(store), "--key-file", str(key)),
+        *("--steps", "64", "--checkpoint-every", "16", "--bands", "8", "--batch-size", "64"),
+        *("--dataset-size", "1024", "--quiet"),
+        *(("--csc-window-steps", str(window)) if window is not None else ()),
+    ]
+
+
+def _cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cocoon_ckpt", *args],
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_a_job_reading_windows_is_killed_and_resumed_bit_exact(tmp_path: Path) -> None:
+    """The whole job with windows of 2 steps, SIGKILLed at step 37 (its CSC assembled
+    in the store, a version or two committed), resumed with windows of 5: the exported model
+    is the whole-CSC job's bit for bit (one key file), and the resumed process held at
+    most a third of each table's CSC at once (its own count, logged), the budget this
+    job's CSC exceeds."""
+    key = tmp_path / "noise.key"
+    gold, run = tmp_path / "gold.zarr", tmp_path / "run.zarr"
+    whole = _cli(_train_args(gold, key, None))
+    assert whole.returncode == 0, whole.stderr
+    assert not _RESIDENT.search(whole.stderr)  # held whole: no windows
+    killed = _cli(_train_args(run, key, 2), {"COCOON_CRASH_AT": "trainer.after_update:step=37"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    # the background writer may not have committed step 32's version yet
+    assert Store.open(str(run), create=False).latest().step in (16, 32)  # type: ignore[union-attr]
+    resumed = _cli(_train_args(run, key, 5))
+    assert resumed.returncode == 0, resumed.stderr
+    held = {m.group(1): m for m in _RESIDENT.finditer(resumed.stderr)}
+    assert set(held) == {"tables.0.weight", "tables.1.weight"}, resumed.stderr
+    for m in held.values():
+        csc_bytes, windows, steps, resident = (int(m.group(i)) for i in (2, 3, 4, 5))
+        budget = csc_bytes // 3
+        assert steps == 5 and windows >= (64 - 32) // 5 and 0 < resident <= budget
+    models = {}
+    for name, store in (("gold", gold), ("run", run)):
+        out = tmp_path / f"{name}.pt"
+        assert main(["export", str(store), "--key-file", str(key), "--out", str(out)]) == 0
+        models[name] = torch.load(out)
+    assert models["gold"].keys() == models["run"].keys()
+    assert all(torch.equal(models["gold"][k], models["run"][k]) for k in models["gold"])
+    audit = _cli(["audit", "--key-file", str(key), "--example", "dlrm", str(run)])
+    assert audit.returncode == 0, audit.stdout + audit.stderr
