@@ -23,6 +23,7 @@ from cocoon_ckpt.dp.noise import (
     bandmf_step,
 )
 from cocoon_ckpt.dp.ring import RingHistory, load_ring_into, shard_ring
+from cocoon_ckpt.errors import StoredStateError
 from state import hooks
 
 __all__ = ["BandMFNoise"]
@@ -159,7 +160,7 @@ class BandMFNoise:
         any `RingHistory` of this shard's shape, is copied in."""
         check_state(state, "BandMFNoise", 2)
         if (state["start"], state["stop"]) != (self.start, self.stop):
-            raise ValueError(
+            raise StoredStateError(
                 f"ring shard [{state['start']}, {state['stop']}) does not match this "
                 f"instance's [{self.start}, {self.stop})"
             )

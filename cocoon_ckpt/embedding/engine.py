@@ -33,6 +33,7 @@ from cocoon_ckpt.embedding.precompute import (
 )
 from cocoon_ckpt.embedding.schedule import AccessSchedule
 from cocoon_ckpt.embedding.stored_tiles import tile_digest
+from cocoon_ckpt.errors import ConfigError, StoredStateError
 from cocoon_ckpt.keys import key_id
 from cocoon_ckpt.tiers.build import build_history
 from cocoon_ckpt.tiers.config import TierConfig
@@ -110,7 +111,7 @@ class TableEngine:
         if plan.mode is TableMode.AUTO:
             raise ValueError("a TablePlan's mode must be resolved (dense, coalesced or lazy)")
         if plan.mode is TableMode.LAZY and mechanism.bands != 1:
-            raise ValueError(
+            raise ConfigError(
                 f"table {spec.param}: mode='lazy' needs bands=1 (at b={mechanism.bands} the "
                 "per-step noise is correlated and one Gaussian per gap is wrong); use "
                 "mode='coalesced'"
@@ -269,7 +270,7 @@ class TableEngine:
         else:
             dim = (csc.stored.dim,) if isinstance(csc, CscWindows) else (csc.dim,)
         if csc.steps != self.schedule.steps or dim != (self.dim,):
-            raise ValueError(
+            raise StoredStateError(
                 f"table {self.spec.param}: the stored CSC has {csc.steps} steps x "
                 f"{dim} but this job needs {self.schedule.steps} x ({self.dim},)"
             )
@@ -390,7 +391,7 @@ class TableEngine:
         check_state(state, "TableEngine", 1)
         plan = TablePlan.from_record(state["plan"])
         if (plan.mode, plan.hot) != (self.plan.mode, self.plan.hot):
-            raise ValueError(
+            raise StoredStateError(
                 f"table {self.spec.param}: stored plan {plan.mode.value} with {plan.hot} hot "
                 f"rows, this engine has {self.plan.mode.value} with {self.plan.hot}"
             )

@@ -22,6 +22,7 @@ from cocoon_ckpt.embedding.profile import choose_threshold, measure_unit_costs
 from cocoon_ckpt.embedding.schedule import AccessSchedule, table_schedule
 from cocoon_ckpt.embedding.sparse import check_tables
 from cocoon_ckpt.embedding.stored_tiles import StoredTiles, TileWriter, drop_tile_parts
+from cocoon_ckpt.errors import ConfigError, JobError, StoredStateError
 from cocoon_ckpt.keys import tile_mac_key
 from cocoon_ckpt.layout import emb_name
 from cocoon_ckpt.tiers.config import TierConfig
@@ -47,7 +48,7 @@ def _check_sgd(optimizer: torch.optim.Optimizer, param: str, mode: TableMode) ->
             if g.get("maximize"):
                 why = "the SGD optimizer maximizes"
     if why:
-        raise ValueError(
+        raise ConfigError(
             f"embedding table {param!r} uses mode={mode.value!r}, which is exact only for "
             f"plain SGD (a row's pending noise is applied late), but {why}. Use "
             "optimizer='sgd' without momentum or weight decay, or mode='dense'"
@@ -103,7 +104,7 @@ class EmbeddingNoise:
                 dtype=np.float64,
             )
             if lrs.shape != (self.steps,):
-                raise ValueError(
+                raise ConfigError(
                     f"EmbeddingConfig.lr_schedule has {lrs.size} rates; the job has "
                     f"{self.steps} steps"
                 )
@@ -136,7 +137,7 @@ class EmbeddingNoise:
         for g in self.optimizer.param_groups:
             if any(q is p for q in g["params"]):
                 return g
-        raise ValueError("an embedding table is not among the optimizer's parameters")
+        raise JobError("an embedding table is not among the optimizer's parameters")
 
     def _choose(
         self, sched: AccessSchedule, mechanism: BandMF, dim: int, p: torch.Tensor
@@ -294,7 +295,7 @@ class EmbeddingNoise:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_state(state, "EmbeddingNoise", 1)
         if [t["param"] for t in state["tables"]] != [e.spec.param for e in self.engines]:
-            raise ValueError(
+            raise StoredStateError(
                 f"stored embedding tables {[t['param'] for t in state['tables']]} differ from "
                 f"this job's {[e.spec.param for e in self.engines]}"
             )

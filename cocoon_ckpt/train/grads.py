@@ -33,7 +33,7 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from cocoon_ckpt.embedding.config import TableSpec
 from cocoon_ckpt.embedding.sparse import SparseGrads, gather_rows, sparse_per_sample, sum_rows
-from cocoon_ckpt.errors import UnsupportedModelError
+from cocoon_ckpt.errors import ConfigError, UnsupportedModelError
 from cocoon_ckpt.train.traced_grads import ChunkFn, TracedChunk
 
 __all__ = [
@@ -118,14 +118,14 @@ class PerSampleGrads:
         params = dict(model.named_parameters())
         unknown = [k for k in param_names if k not in params]
         if unknown:
-            raise ValueError(
+            raise ConfigError(
                 f"param_names {unknown} are not parameters of {type(model).__name__}; "
                 f"its parameters include {sorted(params)[:8]}"
             )
         self.table_names = [s.param for s in tables]
         both = sorted(set(self.table_names) & set(param_names))
         if both:
-            raise ValueError(
+            raise ConfigError(
                 f"{both} are both embedding tables and dense parameters: leave tables out "
                 "of param_names (their gradients are taken per row)"
             )
@@ -177,7 +177,7 @@ class PerSampleGrads:
                 gradients (in-place buffer updates, batch-coupled layers).
         """
         if physical_batch_size is not None and physical_batch_size < 1:
-            raise ValueError(f"physical_batch_size={physical_batch_size} must be >= 1 or None")
+            raise ConfigError(f"physical_batch_size={physical_batch_size} must be >= 1 or None")
         n = int(batch[0].shape[0])
         if any(int(d.shape[0]) != n for d in batch):
             raise ValueError(

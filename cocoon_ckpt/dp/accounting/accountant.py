@@ -9,7 +9,7 @@ from cocoon_ckpt._state_dict import check_state
 from cocoon_ckpt.dp.accounting.amplified import epsilon, validate_arguments
 from cocoon_ckpt.dp.accounting.method import AccountingMethod
 from cocoon_ckpt.dp.blt.accounting import blt_dp_event, blt_epsilon
-from cocoon_ckpt.errors import StoredStateError
+from cocoon_ckpt.errors import ConfigError, StoredStateError
 
 __all__ = ["Accountant"]
 
@@ -47,7 +47,7 @@ class Accountant:
     ) -> None:
         validate_arguments(noise_multiplier, dataset_size, batch_size, 1, bands, delta)
         if sensitivity is not None and not (sensitivity > 0 and math.isfinite(sensitivity)):
-            raise ValueError(f"Accountant sensitivity={sensitivity} must be > 0 and finite")
+            raise ConfigError(f"Accountant sensitivity={sensitivity} must be > 0 and finite")
         self.sensitivity = None if sensitivity is None else float(sensitivity)
         self.noise_multiplier = float(noise_multiplier)
         self.dataset_size = dataset_size
@@ -60,7 +60,7 @@ class Accountant:
     def step(self, n: int = 1) -> None:
         """Record `n` more steps."""
         if n < 0:
-            raise ValueError(f"step n={n} must be >= 0")
+            raise ConfigError(f"step n={n} must be >= 0")
         self.steps += n
 
     def epsilon(self) -> float:

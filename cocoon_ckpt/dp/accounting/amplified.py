@@ -20,7 +20,7 @@ from dp_accounting import pld, rdp
 
 from cocoon_ckpt.dp.accounting.method import AccountingMethod
 from cocoon_ckpt.dp.accounting.pld_composition import PLD_INTERVAL, one_round, pld_epsilon
-from cocoon_ckpt.errors import ConfigError
+from cocoon_ckpt.errors import ConfigError, StoredStateError
 
 __all__ = [
     "AccountingMethod",
@@ -89,7 +89,7 @@ def event_from_record(record: Mapping[str, Any]) -> dp_accounting.DpEvent:
     event) and `GaussianDpEvent` (noise_multiplier), nested.
 
     Raises:
-        ValueError: the record, or an event inside it, is not one of these; the message
+        StoredStateError: the record, or an event inside it, is not one of these; the message
             names the part and what is wrong.
     """
     kind = record.get("type") if isinstance(record, Mapping) else None
@@ -97,19 +97,21 @@ def event_from_record(record: Mapping[str, Any]) -> dp_accounting.DpEvent:
     if kind == "GaussianDpEvent":
         sigma = record.get("noise_multiplier")
         if not (isinstance(sigma, (int, float)) and 0 < sigma < math.inf):
-            raise ValueError(f"GaussianDpEvent noise_multiplier={sigma!r} must be > 0")
+            raise StoredStateError(f"GaussianDpEvent noise_multiplier={sigma!r} must be > 0")
         return dp_accounting.GaussianDpEvent(float(sigma))
     if kind == "PoissonSampledDpEvent":
         q = record.get("sampling_probability")
         if not (isinstance(q, (int, float)) and 0 <= q <= 1):
-            raise ValueError(f"PoissonSampledDpEvent sampling_probability={q!r} must lie in [0, 1]")
+            raise StoredStateError(
+                f"PoissonSampledDpEvent sampling_probability={q!r} must lie in [0, 1]"
+            )
         return dp_accounting.PoissonSampledDpEvent(float(q), event_from_record(inner or {}))
     if kind == "SelfComposedDpEvent":
         count = record.get("count")
         if not (isinstance(count, int) and not isinstance(count, bool) and count >= 0):
-            raise ValueError(f"SelfComposedDpEvent count={count!r} must be an integer >= 0")
+            raise StoredStateError(f"SelfComposedDpEvent count={count!r} must be an integer >= 0")
         return dp_accounting.SelfComposedDpEvent(event_from_record(inner or {}), count)
-    raise ValueError(
+    raise StoredStateError(
         f"accounting event {kind!r} is not one cocoon-ckpt records (SelfComposedDpEvent, "
         "PoissonSampledDpEvent, GaussianDpEvent)"
     )

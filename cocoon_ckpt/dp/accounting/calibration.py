@@ -17,7 +17,7 @@ from cocoon_ckpt.dp.accounting.amplified import epsilon, validate_arguments
 from cocoon_ckpt.dp.accounting.method import AccountingMethod
 from cocoon_ckpt.dp.accounting.pld_composition import OneRound
 from cocoon_ckpt.dp.blt.accounting import blt_epsilon, blt_noise_multiplier_for
-from cocoon_ckpt.errors import PrivacyBudgetError
+from cocoon_ckpt.errors import ConfigError, PrivacyBudgetError
 
 __all__ = ["SIGMA_MAX", "SIGMA_MIN", "blt_noise_multiplier", "noise_multiplier_for"]
 
@@ -85,7 +85,7 @@ def noise_multiplier_for(
             needs: `dp._validate.SIGMA_MAX`).
     """
     if not target_epsilon > 0:
-        raise ValueError(f"target_epsilon={target_epsilon} must be > 0")
+        raise ConfigError(f"target_epsilon={target_epsilon} must be > 0")
     validate_arguments(None, dataset_size, batch_size, steps, bands, delta)
     m = AccountingMethod(method)
     q = batch_size * bands / dataset_size

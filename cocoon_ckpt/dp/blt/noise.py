@@ -18,6 +18,7 @@ from cocoon_ckpt._state_dict import check_state
 from cocoon_ckpt.dp.blt.strategy import BLT, blt_step
 from cocoon_ckpt.dp.noise import AFTER_FRESH, AFTER_GEMV, BEFORE_FRESH, KeyedNoise, NoiseRng
 from cocoon_ckpt.dp.ring import RingHistory, load_ring_into, shard_ring
+from cocoon_ckpt.errors import StoredStateError
 from state import hooks
 
 __all__ = ["BLTNoise"]
@@ -149,7 +150,7 @@ class BLTNoise:
         any `RingHistory` of this shard's (d, width) and dtype, is copied in."""
         check_state(state, "BLTNoise", 2)
         if (state["start"], state["stop"]) != (self.start, self.stop):
-            raise ValueError(
+            raise StoredStateError(
                 f"BLT buffers shard [{state['start']}, {state['stop']}) does not match this "
                 f"instance's [{self.start}, {self.stop}); build it for that shard"
             )
