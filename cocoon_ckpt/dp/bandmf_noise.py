@@ -8,8 +8,10 @@ is `cocoon_ckpt.dp.blt.noise.BLTNoise`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 
 from cocoon_ckpt._state_dict import check_state
@@ -22,7 +24,7 @@ from cocoon_ckpt.dp.noise import (
     NoiseRng,
     bandmf_step,
 )
-from cocoon_ckpt.dp.ring import RingHistory, load_ring_into, shard_ring
+from cocoon_ckpt.dp.ring import HostRing, RingHistory, load_ring_into, shard_ring
 from cocoon_ckpt.errors import StoredStateError
 from state import hooks
 
@@ -137,6 +139,20 @@ class BandMFNoise:
         c = torch.from_numpy(self.mechanism.matrix(n)).to(self.dtype)
         w: torch.Tensor = torch.linalg.solve_triangular(c, z, upper=False)
         return w
+
+    def regenerate_rows(self, coords: np.ndarray, after: Iterable[int]) -> dict[int, np.ndarray]:
+        """The ring at `coords` after each step in `after`, {t: (b-1, len(coords))},
+        replayed from the key (`NoiseMechanism.regenerate_rows`): slot t mod (b-1) of
+        entry t is w_t as the ring keeps it (C_T^-1 z, before a column-normalized C's
+        scale s_t)."""
+        want = set(after)
+        ring = HostRing(self.mechanism.bands - 1, len(coords), self.fresh_noise.np_dtype)
+        out: dict[int, np.ndarray] = {}
+        for t in range(max(want, default=-1) + 1):
+            bandmf_step(self.mechanism, t, self.fresh_noise.fresh_at(t, coords), ring)
+            if t in want:
+                out[t] = ring.gather()
+        return out
 
     # state -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -139,6 +139,18 @@ class KeyedNoise:
         keyed_gaussians(self._key, t, start, stop, out.numpy(), self.std, torch.get_num_threads())
         return out
 
+    def fresh_at(self, t: int, coords: np.ndarray) -> torch.Tensor:
+        """z_t at the coordinates `coords` (any order), (len(coords),) in `dtype`: the
+        blocks they fall in drawn whole, as I1 defines them, so each value is the one
+        `fresh(t)` gives there (what a regeneration at a few coordinates runs on)."""
+        out = torch.empty(len(coords), dtype=self.dtype)
+        blocks = coords // BLOCK
+        for k in np.unique(blocks):
+            lo, hi = int(k) * BLOCK, min((int(k) + 1) * BLOCK, self.dim)
+            sel = np.nonzero(blocks == k)[0]
+            out[sel] = self.fresh(t, lo, hi)[torch.from_numpy(coords[sel] - lo)]
+        return out
+
     def _fresh_secure(self, t: int, start: int, stop: int, out: torch.Tensor) -> None:
         # z is scaled in float64 and rounded once to the dtype
         last = (stop - 1) // BLOCK + 1

@@ -5,8 +5,8 @@ Two implement it: `cocoon_ckpt.dp.bandmf_noise.BandMFNoise` (b-1 ring slots of p
 outputs) and `cocoon_ckpt.dp.blt.noise.BLTNoise` (d buffers). Both keep their state as
 rows of one `RingHistory`, so the tiers hold either, and both label each row with a
 step, so a checkpoint stores and an audit regenerates either the same way. Only the
-factory (`cocoon_ckpt.train.mechanisms.build_noise`) names the classes; everything else
-reads this protocol. `cocoon_ckpt.dp.testing.noise_tests` is its conformance suite.
+factory (`cocoon_ckpt.dp.noise_factory`) names the classes; everything else reads this
+protocol. `cocoon_ckpt.dp.testing.noise_tests` is its conformance suite.
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    import numpy as np
     import torch
 
     from cocoon_ckpt.dp.noise import KeyedNoise
@@ -80,6 +83,16 @@ class NoiseMechanism(Protocol):
     def materialize(self, n: int) -> torch.Tensor:
         """The dense reference w_0..w_{n-1}, (n, width), by a triangular solve; leaves
         this instance's state as it was."""
+        ...
+
+    def regenerate_rows(self, coords: np.ndarray, after: Iterable[int]) -> dict[int, np.ndarray]:
+        """What the audit compares stored rows with: the rows as they stood after each
+        step t in `after`, at the coordinates `coords` of the whole dimension (not only
+        this shard's), {t: (rows, len(coords))}, replayed from step 0 on those
+        coordinates alone from the key (the recursion is coordinate-wise and the GEMV
+        has one order of rounding, so bit for bit what an instance held). Row r of
+        entry t is the stored row labelled t in slot r. Leaves this instance's state
+        as it was."""
         ...
 
     def history_bytes(self) -> int:

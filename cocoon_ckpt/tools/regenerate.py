@@ -1,9 +1,11 @@
-"""The correlated noise at a few coordinates, regenerated from the key the engine's way:
-BandMF's w_t, or a BLT's buffers.
+"""The noise state at a few coordinates, regenerated from the key the engine's way:
+what the audit compares stored rows (BandMF's ring slots, a BLT's buffers) with.
 
-What audit compares stored ring slots (and BLT buffers) with: the recursion is
-coordinate-wise, so a few coordinates need only their own history, and the fixed-order
-GEMV makes any subset of coordinates reproduce the stored values bit for bit (I1, I2).
+The recursion is coordinate-wise, so a few coordinates need only their own history,
+and the fixed-order GEMV makes any subset of coordinates reproduce the stored values
+bit for bit (I1, I2). The mechanism's own `NoiseMechanism.regenerate_rows` replays it;
+this module builds that noise through the one factory (`dp.noise_factory`), for a shard
+of no coordinates (nothing of the model's size is allocated).
 """
 
 from __future__ import annotations
@@ -11,55 +13,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import numpy as np
-import torch
 
-from cocoon_ckpt.dp.blt.strategy import BLT, blt_step
+from cocoon_ckpt.dp.blt.strategy import BLT
 from cocoon_ckpt.dp.generator import NoiseRng
 from cocoon_ckpt.dp.mechanism import BandMF
-from cocoon_ckpt.dp.noise import BLOCK, KeyedNoise, bandmf_step
-from cocoon_ckpt.dp.ring import HostRing
+from cocoon_ckpt.dp.noise_factory import noise_for
 
-__all__ = ["regenerate", "regenerate_blt_buffers"]
-
-
-def _fresh_at(fresh: KeyedNoise, t: int, coords: np.ndarray, dim: int) -> torch.Tensor:
-    """z_t at `coords`: their fresh noise blocks drawn whole, as I1 defines them."""
-    z = torch.empty(len(coords), dtype=fresh.dtype)
-    for k in np.unique(coords // BLOCK):
-        lo, hi = int(k) * BLOCK, min((int(k) + 1) * BLOCK, dim)
-        sel = np.nonzero(coords // BLOCK == k)[0]
-        zb = fresh.fresh(t, lo, hi)
-        z[sel] = zb[torch.from_numpy(coords[sel] - lo)]
-    return z
+__all__ = ["regenerate_rows"]
 
 
-def regenerate(
+def regenerate_rows(
     key: bytes,
-    mechanism: BandMF,
-    dim: int,
-    std: float,
-    dtype: str,
-    coords: np.ndarray,
-    steps: int,
-    rng: NoiseRng | str = NoiseRng.DEFAULT,
-) -> np.ndarray:
-    """w_t at `coords` for t < steps, (steps, len(coords)), computed the engine's way:
-    the recursion is coordinate-wise, so a few coordinates need only their own history
-    (their fresh noise blocks are drawn whole, as I1 defines them), with the generator
-    `rng` the job drew its noise with."""
-    fresh = KeyedNoise(key, dim, std, dtype, rng)
-    out = torch.empty(steps, len(coords), dtype=fresh.dtype)
-    # the engine's step and kernel: one order of rounding, so any subset of coordinates
-    # reproduces the stored values bit for bit
-    ring = HostRing(mechanism.bands - 1, len(coords), fresh.np_dtype)
-    for t in range(steps):
-        out[t] = bandmf_step(mechanism, t, _fresh_at(fresh, t, coords, dim), ring)
-    return out.numpy()
-
-
-def regenerate_blt_buffers(
-    key: bytes,
-    blt: BLT,
+    mechanism: BandMF | BLT,
     dim: int,
     std: float,
     dtype: str,
@@ -67,15 +32,12 @@ def regenerate_blt_buffers(
     after: Iterable[int],
     rng: NoiseRng | str = NoiseRng.DEFAULT,
 ) -> dict[int, np.ndarray]:
-    """A BLT's d buffers at `coords` after each step t in `after`, by replaying
-    `blt_step` from step 0 (O(t d) per coordinate): {t: (d, len(coords))}, bit for bit
-    what the engine held (the same step, kernel and fresh noise as `regenerate`)."""
-    want = set(after)
-    fresh = KeyedNoise(key, dim, std, dtype, rng)
-    bufs = HostRing(blt.buffers, len(coords), fresh.np_dtype)
-    out: dict[int, np.ndarray] = {}
-    for t in range(max(want, default=-1) + 1):
-        blt_step(blt, t, _fresh_at(fresh, t, coords, dim), bufs)
-        if t in want:
-            out[t] = bufs.gather()
-    return out
+    """The mechanism's stored rows at `coords` after each step t in `after`,
+    {t: (rows, len(coords))}, from the key and the generator `rng` the job drew its
+    noise with: row t mod (b-1) of entry t is BandMF's ring slot of step t (w_t as the
+    ring keeps it, before a column-normalized C's scale), row i a BLT's buffer i."""
+    noise = noise_for(mechanism, dim, key, std, dtype, start=0, stop=0, rng=rng)
+    try:
+        return noise.regenerate_rows(coords, after)
+    finally:
+        noise.close()

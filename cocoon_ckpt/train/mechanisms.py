@@ -4,11 +4,10 @@ min-sep sensitivity, `dp.blt.accounting`).
 
 The kind decides three things that must agree, so they are built in one place: the
 strategy C, the noise state the checkpoints carry (BandMF's b-1 ring slots or BLT's d
-buffers, both a `RingHistory` the tiers can hold), and how epsilon is accounted. This
-is the one module that tells the kinds apart: the trainer, the checkpoint and the
-resume hold a `NoiseMechanism` (`cocoon_ckpt.dp.noise_mechanism`) and ask it, and an
-import-linter contract keeps the concrete noise classes out of every other module of
-`train`, `tools` and the CLI.
+buffers, both a `RingHistory` the tiers can hold), and how epsilon is accounted. The
+noise itself comes from `cocoon_ckpt.dp.noise_factory`, the one place that names its
+classes; the trainer, the checkpoint and the resume hold a `NoiseMechanism`
+(`cocoon_ckpt.dp.noise_mechanism`) and ask it.
 """
 
 from __future__ import annotations
@@ -16,13 +15,12 @@ from __future__ import annotations
 from typing import Any, TypeAlias
 
 from cocoon_ckpt.dp.accounting.accountant import Accountant
-from cocoon_ckpt.dp.bandmf_noise import BandMFNoise
 from cocoon_ckpt.dp.blt.accounting import accounting_sensitivity
-from cocoon_ckpt.dp.blt.noise import BLTNoise
 from cocoon_ckpt.dp.blt.optimize import job_blt
 from cocoon_ckpt.dp.blt.strategy import BLT
 from cocoon_ckpt.dp.generator import NoiseRng
 from cocoon_ckpt.dp.mechanism import BandMF, MechanismKind
+from cocoon_ckpt.dp.noise_factory import noise_for, noise_rows
 from cocoon_ckpt.dp.noise_mechanism import NoiseMechanism
 from cocoon_ckpt.errors import ConfigError, StoredStateError
 from cocoon_ckpt.tiers.build import build_history
@@ -124,14 +122,12 @@ def build_noise(
     tiers: TierConfig | None,
     rng: NoiseRng,
 ) -> NoiseMechanism:
-    """The shard [start, stop) of the mechanism's streaming noise, its rows (b-1 ring
-    slots, or d BLT buffers) placed over the tiers `tiers` allows."""
-    slots = mechanism.buffers if isinstance(mechanism, BLT) else mechanism.bands - 1
-    history = build_history(slots, stop - start, dtype, tiers)
-    common: dict[str, Any] = {"start": start, "stop": stop, "rng": rng}
-    if isinstance(mechanism, BLT):
-        return BLTNoise(mechanism, dim, key, noise_std, dtype, buffers=history, **common)
-    return BandMFNoise(mechanism, dim, key, noise_std, dtype, history=history, **common)
+    """The shard [start, stop) of the mechanism's streaming noise (`dp.noise_factory`),
+    its rows (b-1 ring slots, or d BLT buffers) placed over the tiers `tiers` allows."""
+    rows = build_history(noise_rows(mechanism), stop - start, dtype, tiers)
+    return noise_for(
+        mechanism, dim, key, noise_std, dtype, start=start, stop=stop, rows=rows, rng=rng
+    )
 
 
 def tables_mechanism(mechanism: Mechanism) -> BandMF:

@@ -5,6 +5,7 @@ place that tells BandMF's noise from a BLT's."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from cocoon_ckpt.train.mechanisms import build_mechanism, build_noise, tables_me
 from tests.cocoon_ckpt.conftest import job_config
 
 STEPS = 12
+GOLDEN = Path(__file__).parent / "golden" / "format_store"
 
 
 class TestBandMFOptimized(NoiseMechanismTests):
@@ -114,3 +116,15 @@ def test_each_refuses_the_others_state() -> None:
         with pytest.raises(StateSchemaError, match="state_dict"):
             b.load_state_dict(state)
         assert b.t in (0, 1) and np.array_equal(b.state_rows.gather(), before)
+
+
+def test_the_noise_kind_is_never_stored() -> None:
+    """Renaming CorrelatedNoise to BandMFNoise changes no stored byte: a version records
+    the mechanism (`BandMF`, `BLT`) and the noise's rows, never its noise class's kind,
+    so stores written before the rename load unchanged (test_format_golden decodes the
+    golden store written by the codec of that time)."""
+    files = [p for p in GOLDEN.rglob("*") if p.is_file()]
+    text = b"".join(p.read_bytes() for p in files)
+    assert any(p.parent.name == "manifests" for p in files) and b'"BandMF"' in text
+    for kind in (b"CorrelatedNoise", b"BandMFNoise", b"BLTNoise"):
+        assert kind not in text

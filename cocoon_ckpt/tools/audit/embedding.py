@@ -11,7 +11,7 @@ from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.format.ring_rows import slot_refs, slot_values
 from cocoon_ckpt.records import EmbeddingRecord, TableRecord
 from cocoon_ckpt.tools.audit.report import AuditReport
-from cocoon_ckpt.tools.regenerate import regenerate
+from cocoon_ckpt.tools.regenerate import regenerate_rows
 from cocoon_ckpt.train.parts import JobParts
 from state import Manifest, Store, Version
 
@@ -201,10 +201,11 @@ def _check_table_ring(
         return 0, 0
     coords = np.sort(rng.choice(width, size=min(64, width), replace=False)).astype(np.int64)
     refs = slot_refs(t["slots"], f"table {t['param']}")
-    steps = 1 + max(ref.step for ref in refs)
     got = {ref.step: slot_values(ver, ref) for ref in refs}
     dtype = str(next(iter(got.values())).dtype)
-    want = regenerate(key, mechanism, int(t["rows"]) * int(t["dim"]), std, dtype, coords, steps)
+    rows = regenerate_rows(key, mechanism, int(t["rows"]) * int(t["dim"]), std, dtype, coords, got)
+    # each stored step's ring slot as the ring kept it
+    want = {step: rows[step][step % (mechanism.bands - 1)] for step in got}
     same = 0
     for step, arr in sorted(got.items()):
         if np.array_equal(arr[coords], want[step]):
