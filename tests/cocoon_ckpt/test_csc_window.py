@@ -33,11 +33,13 @@ from cocoon_ckpt.embedding import (
 from cocoon_ckpt.embedding.config import EmbeddingConfig, TableMode
 from cocoon_ckpt.embedding.csc_assembly import CscAssembly, expected_col_ptr
 from cocoon_ckpt.embedding.csc_window import CSC_PARTS, CscWindows, StoredCSC
-from cocoon_ckpt.embedding.precompute import TileEntries, precompute_into
+from cocoon_ckpt.embedding.precompute import AFTER_TILE, TileEntries, precompute_into
+from cocoon_ckpt.embedding.stored_tiles import StoredTiles
 from cocoon_ckpt.examples.dlrm import zipf_ids
 from cocoon_ckpt.format.stored import model_state
 from cocoon_ckpt.layout import emb_name
 from cocoon_ckpt.train.options import JobOptions
+from fault_injection import CrashPointHit, crash_at, disarm_all
 from state import CorruptVersionError, Store, StoreError
 
 KEY = bytes(range(32))
@@ -267,6 +269,39 @@ def test_the_assembly_never_holds_the_csc(tmp_path: Path, monkeypatch: pytest.Mo
     assert assembly.spilled_bytes > total
     assert peaks["store"] - peaks["tiles alone"] < total / 2, (peaks, total)
     assert peaks["memory"] - peaks["tiles alone"] > 2 * total, (peaks, total)
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_an_assembly_resumed_from_kept_tiles_is_the_same_bytes(tmp_path: Path) -> None:
+    """A precompute into the store stopped at its 4th tile (its tiles kept): the next
+    one loads those, hands them to the assembly one at a time with the computed rest,
+    and the CSC is the in-memory one."""
+    whole = _csc()
+    store = Store.open(str(tmp_path / "s.zarr"))
+    store.acquire_lease()
+    sched, args = _case()
+    ptr = expected_col_ptr(sched, args["order"], HOT)
+    crash_at(AFTER_TILE, step=4)
+    try:
+        with pytest.raises(CrashPointHit):
+            first = CscAssembly(store, PARAM, ptr, DIM, np.dtype(np.float32), 3)
+            try:
+                parts = StoredTiles(store, PARAM, "d" * 32, mac_key=KEY)
+                precompute_into(first.add, **args, tile_rows=40, threads=1, parts=parts)
+            finally:
+                first.close()
+    finally:
+        disarm_all()
+    again = CscAssembly(store, PARAM, ptr, DIM, np.dtype(np.float32), 3)
+    parts = StoredTiles(store, PARAM, "d" * 32, mac_key=KEY)
+    precompute_into(again.add, **args, tile_rows=40, threads=2, parts=parts)
+    stored, crcs = again.finish()
+    again.close()
+    assert (parts.loaded, parts.computed) == (4, -(-(ROWS - HOT) // 40) - 4)
+    windows = CscWindows(stored, 3, crcs=crcs)
+    steps = list(range(STEPS + 1))
+    assert _columns(windows, steps) == _columns(whole, steps)
+    windows.close()
 
 
 def test_an_assembly_missing_a_tile_is_refused(tmp_path: Path) -> None:
