@@ -14,6 +14,27 @@ each, so run it one engine at a time:
 
     python bench/dlrm.py --scale 0.1 --bands 8 --sequential --timed 3
 
+Ids: `--zipf E` draws every table's ids from one power law, P(id = k) ~ (k+1)^-E
+(default 1.1). `--zipf fitted` fits each table's exponent to Criteo Kaggle's published
+statistics: the DLRM reference's row counts are the distinct values each feature takes
+in the 45,840,617 examples of the challenge's train.txt, so every row was read at least
+once there. Each table gets the steepest exponent (at most 1.1) under which its rarest
+row is still expected once in that many examples (times --scale, as the rows are): a
+steeper law would leave rows the published counts say were read. The big tables come
+out nearly flat (the 10.1M-row table at ~0.78: 4.5 examples per row), the small ones
+keep 1.1; the header prints each exponent.
+
+Full scale (`--scale 1.0`, 33.8M rows, 2.0 GiB of table at dim 16): a dense baseline's
+history is (b-1) x the tables, 14.1 GiB at b = 8, beyond a 10 GB budget. So
+`--dense-scales A B` runs the four dense baselines on the tables times A and times B
+and extrapolates each one's step time to --scale along the line through the two (their
+step is a fixed part, the batch's gradients, plus noise over every row, so a tiny A
+measures the fixed part and B the rate per row; an error at B grows by --scale / B);
+the coalesced engine runs at --scale itself. The run that gave docs/benchmarks.md's full-scale row:
+
+    python bench/dlrm.py --scale 1.0 --zipf fitted --bands 8 --steps 40 --timed 3 \
+        --sequential --dense-scales 0.001 0.1 --lazy-scale 0.1
+
 For every b, five trainers over the same model, data and noise key:
 
   CPU-GEMV   dense online BandMF over every table row, history on the host, the engine's
@@ -41,7 +62,7 @@ CSC bytes against table bytes, the precompute time (tiles on --precompute-thread
 threads; with --serial-precompute also one tile at a time, each tile on torch's
 intra-op threads as before, its CSC checked equal bit for bit, and the ratio)
 and end-to-end time over --steps steps including the precompute, against the fastest
-baseline's; with --fresh-floor also the time to draw the precompute's fresh noise alone
+baseline's, and the process's peak RSS once the coalesced engine has run; with --fresh-floor also the time to draw the precompute's fresh noise alone
 (the same Gaussians as n dense steps draw for the cold rows, so a floor no tiling or
 thread count goes below, and the end-to-end ratio a precompute costing only that would
 give). With --one-thread-grads also a sixth engine, `coal-1thr`: the coalesced trainer
@@ -56,6 +77,8 @@ read) against dense DP-SGD noise over the whole tables, on --lazy-scale tables.
 from __future__ import annotations
 
 import argparse
+import math
+import resource
 import statistics
 import time
 from typing import Any
@@ -66,11 +89,67 @@ from _dlrm_blas import BlasRing, TorchMvRing, use_ring
 
 from cocoon_ckpt import DPConfig, DPTrainer
 from cocoon_ckpt.embedding import EmbeddingConfig, TableMode, TableSpec, precompute_csc
-from cocoon_ckpt.examples.dlrm import DLRM, make_data, table_rows
+from cocoon_ckpt.examples.dlrm import DLRM, table_rows, zipf_ids
 from cocoon_ckpt.tiers import GemvMode, TierConfig
 from cocoon_ckpt.tiers.device import default_device
 
 KEY = bytes(range(32))
+#: Examples in Criteo Kaggle's train.txt, in which the published row counts were seen.
+CRITEO_KAGGLE_EXAMPLES = 45_840_617
+#: The steepest exponent `--zipf fitted` gives a table (the bench's default law).
+FITTED_CAP = 1.1
+
+
+def rarest_row_mass(rows: int, exponent: float) -> float:
+    """P(id = rows - 1) under `zipf_ids`' law (the continuous power law on
+    [1, rows + 1), row k covering [k + 1, k + 2))."""
+    a = 1.0 - exponent
+    top = float(rows + 1) ** a
+    return (top - float(rows) ** a) / (top - 1.0)
+
+
+def fitted_exponent(rows: int, examples: float, cap: float = FITTED_CAP) -> float:
+    """The steepest exponent <= cap under which the rarest of `rows` rows is expected
+    at least once in `examples` draws (bisection; 1.0 itself is skipped, as zipf_ids
+    refuses it)."""
+    if rows < 2 or examples * rarest_row_mass(rows, cap) >= 1.0:
+        return cap
+    lo, hi = 1e-6, cap  # expected count of the rarest row falls as the exponent rises
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if abs(mid - 1.0) < 1e-9:
+            mid = 1.0 - 1e-6
+        if examples * rarest_row_mass(rows, mid) >= 1.0:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def exponents(rows: list[int], zipf: str, scale: float) -> list[float]:
+    """Each table's exponent: --zipf's number, or fitted (module docstring)."""
+    if zipf != "fitted":
+        return [float(zipf)] * len(rows)
+    return [fitted_exponent(r, CRITEO_KAGGLE_EXAMPLES * scale) for r in rows]
+
+
+def make_data(
+    n: int, dense: int, tables: list[int], zipf: list[float], seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`cocoon_ckpt.examples.dlrm.make_data` with an exponent per table (the same draws
+    in the same order, so one exponent for all gives its data)."""
+    rng = np.random.default_rng(seed)
+    x = torch.from_numpy(rng.standard_normal((n, dense)).astype(np.float32))
+    ids = np.stack([zipf_ids(r, n, e, rng) for r, e in zip(tables, zipf, strict=True)], axis=1)
+    w = rng.standard_normal(dense).astype(np.float32)
+    logits = x.numpy() @ w + 0.5 * np.sin(ids.sum(axis=1))
+    y = torch.from_numpy((logits > 0).astype(np.float32))
+    return x, torch.from_numpy(ids), y
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident set so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def build(
@@ -79,7 +158,7 @@ def build(
     batch: int,
     bands: int,
     steps: int,
-    zipf: float,
+    zipf: str,
     mode: TableMode,
     tiers: TierConfig | None,
     data: tuple[torch.Tensor, ...],
@@ -272,12 +351,53 @@ def time_engines(
     return {n: statistics.median(v) for n, v in times.items()}, pre, serial, stats
 
 
+def extrapolated_baselines(
+    args: argparse.Namespace, b: int, rows: list[int], notes: list[str]
+) -> dict[str, float]:
+    """Each dense baseline's step at --scale, on the line through its medians at the two
+    --dense-scales (data drawn as at --scale, with those scales' rows and exponents)."""
+    pts: dict[str, list[tuple[int, float]]] = {n: [] for n in BASELINES}
+    n_data = args.batch * max(args.bands) * 2
+    for scale in args.dense_scales:
+        srows = table_rows("criteo-kaggle", scale)
+        sdata = make_data(n_data, 13, srows, exponents(srows, args.zipf, scale), 1)
+        res, _, _, _ = time_engines(list(BASELINES), args, b, srows, sdata)
+        for n in BASELINES:
+            pts[n].append((sum(srows), res[n]))
+    out = {}
+    for n, ((r0, t0), (r1, t1)) in pts.items():
+        slope = (t1 - t0) / (r1 - r0)
+        out[n] = t0 + slope * (sum(rows) - r0)
+        notes.append(
+            f"b={b}: {n} measured {t0 * 1e3:.1f} ms at {r0:,} rows, {t1 * 1e3:.1f} ms at "
+            f"{r1:,}: {slope * 1e9:.1f} ns/row + {(t0 - slope * r0) * 1e3:.1f} ms, "
+            f"{out[n] * 1e3:.0f} ms at {sum(rows):,} rows"
+        )
+    if not all(math.isfinite(t) and t > 0 for t in out.values()):
+        raise SystemExit(
+            "\n".join(notes) + "\nan extrapolated dense step is not positive (the machine's "
+            "noise is larger than the rows' cost between the two scales): rerun with a "
+            "larger B in --dense-scales or more --timed steps"
+        )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--scale", type=float, default=0.02, help="Criteo Kaggle rows times this")
     ap.add_argument("--dim", type=int, default=16)
     ap.add_argument("--batch", type=int, default=1024)
-    ap.add_argument("--zipf", type=float, default=1.1)
+    ap.add_argument(
+        "--zipf", default="1.1", help="one exponent for all tables, or 'fitted' (docstring)"
+    )
+    ap.add_argument(
+        "--dense-scales",
+        type=float,
+        nargs=2,
+        default=None,
+        metavar=("A", "B"),
+        help="time the dense baselines at these scales, extrapolated to --scale",
+    )
     ap.add_argument("--steps", type=int, default=40, help="n, steps the noise covers")
     ap.add_argument("--bands", type=int, nargs="+", default=[2, 4, 8, 16, 32])
     ap.add_argument("--timed", type=int, default=5, help="timed steps per engine")
@@ -304,9 +424,12 @@ def main() -> None:
     ap.add_argument("--lazy-batch", type=int, default=256)
     args = ap.parse_args()
     args.floor = {}
+    if args.zipf != "fitted" and not float(args.zipf) > 0:
+        raise SystemExit(f"--zipf {args.zipf}: give an exponent > 0 (not 1) or 'fitted'")
     rows = table_rows("criteo-kaggle", args.scale)
+    exps = exponents(rows, args.zipf, args.scale)
     n_data = args.batch * max(args.bands) * 2
-    x, ids, y = make_data(n_data, 13, rows, args.zipf, 1)
+    x, ids, y = make_data(n_data, 13, rows, exps, 1)
     data = (x, ids, y)
     dev = default_device()
     threads = args.precompute_threads or torch.get_num_threads()
@@ -318,6 +441,12 @@ def main() -> None:
         f"{torch.get_num_threads()} threads, precompute on {threads}"
     )
     print(f"# rows per table: {rows}")
+    print(f"# Zipf exponent per table ({args.zipf}): {[round(e, 3) for e in exps]}")
+    if args.dense_scales:
+        print(
+            f"# dense baselines timed at scales {args.dense_scales[0]} and "
+            f"{args.dense_scales[1]}, extrapolated to {args.scale} (docstring)"
+        )
     print(
         "b   CPU-GEMV  GPU-GEMV  CPU-BLAS  dev-BLAS  coalesced  fastest    ratio  tables  "
         "entries/step (all-cold, dense)  CSC/table  precompute (tile-serial)  end-to-end"
@@ -325,7 +454,16 @@ def main() -> None:
     h3: list[str] = []
     for b in args.bands:
         names = [n for n in ENGINES if n != "coal-1thr" or args.one_thread_grads]
-        res, pre, serial, stats = time_engines(names, args, b, rows, data)
+        if args.dense_scales:
+            # the coalesced engine at full scale first: the peak RSS is its own
+            res, pre, serial, stats = time_engines(
+                [n for n in names if n not in BASELINES], args, b, rows, data
+            )
+            h3.append(f"b={b}: peak RSS after the coalesced engine {peak_rss_gib():.2f} GiB")
+            res.update(extrapolated_baselines(args, b, rows, h3))
+        else:
+            res, pre, serial, stats = time_engines(names, args, b, rows, data)
+            h3.append(f"b={b}: peak RSS {peak_rss_gib():.2f} GiB")
         fastest = min(BASELINES, key=lambda n: res[n])
         base = res[fastest]
         e2e = (pre + args.steps * res["coalesced"]) / (args.steps * base)
@@ -361,7 +499,7 @@ def main() -> None:
     # b = 1: lazy against dense DP-SGD noise (no history, so no GEMV to choose)
     lrows = table_rows("criteo-kaggle", args.lazy_scale)
     n_lazy = args.lazy_batch * 4
-    lx, lids, ly = make_data(n_lazy, 13, lrows, args.zipf, 2)
+    lx, lids, ly = make_data(n_lazy, 13, lrows, exponents(lrows, args.zipf, args.lazy_scale), 2)
     out = {}
     for name, mode in (("dense DP-SGD", TableMode.DENSE), ("lazy", TableMode.LAZY)):
         tr = build(
