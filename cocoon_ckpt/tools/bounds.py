@@ -13,8 +13,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from cocoon_ckpt.format.parts import user
 from cocoon_ckpt.format.ring_rows import slot_refs
-from cocoon_ckpt.layout import MODEL_PREFIX, array_kind, emb_name
+from cocoon_ckpt.layout import (
+    MODEL_PREFIX,
+    SCHEDULER_PREFIX,
+    array_kind,
+    emb_name,
+    stateful_prefix,
+)
 from cocoon_ckpt.train.config import JobConfig
 from state import Manifest
 
@@ -245,6 +252,19 @@ def _embedding(c: _Checker, emb: dict[str, Any], shapes: dict[str, list[int]], n
             c.out.embedding_ok = False
 
 
+def _user_parts(c: _Checker, rec: dict[str, Any]) -> None:
+    """The arrays the scheduler's and stateful parts' records name, each inside its
+    part's folder (the job's own state: no config bounds its size)."""
+    parts = [] if rec.get("scheduler") is None else [(rec["scheduler"], SCHEDULER_PREFIX)]
+    parts += [(r, stateful_prefix(name)) for name, r in (rec.get("stateful") or {}).items()]
+    for part, prefix in parts:
+        for name in user.array_names(part, prefix):
+            if name in c.m.arrays:
+                c.claimed.add(name)
+            else:
+                c.problem(f"array {name} of the {prefix} record is not in the version")
+
+
 def _plain_arrays(c: _Checker, shapes: dict[str, list[int]]) -> None:
     biggest = max((_numel(s) for s in shapes.values()), default=0)
     for name, meta in c.m.arrays.items():
@@ -319,6 +339,10 @@ def check_bounds(m: Manifest) -> VersionBounds:
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             out.problems.append(f"embedding records out of bounds ({exc})")
             out.embedding_ok = False
+    try:
+        _user_parts(c, rec)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        out.problems.append(f"scheduler or stateful records out of bounds ({exc})")
     # noise arrays the records failed to vouch for are never read
     for name in m.arrays:
         if name not in c.claimed and name.split("/", 1)[0] in ("ring", "emb"):

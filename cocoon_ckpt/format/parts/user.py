@@ -12,7 +12,10 @@ from cocoon_ckpt.format.trainer_state import PartState
 from cocoon_ckpt.records import PartStateRecord
 from state import Version
 
-__all__ = ["decode", "encode"]
+__all__ = ["array_names", "decode", "encode"]
+
+#: What `array_names` hands the grammar's reader for each array: nothing is read.
+_UNREAD = np.zeros(0)
 
 
 def encode(part: PartState, prefix: str) -> Encoded[PartStateRecord]:
@@ -43,3 +46,24 @@ def decode(rec: PartStateRecord | None, version: Version) -> PartState | None:
     except ValueError as exc:
         raise TypeError(f"{rec['kind']} state: {exc}") from None
     return {"kind": rec["kind"], "state": state}
+
+
+def array_names(rec: PartStateRecord, prefix: str) -> list[str]:
+    """The arrays a part's record names, from the record alone (no array is read), as a
+    reader checks them before reading: every one inside the part's folder `prefix/`.
+
+    Raises:
+        ValueError: the record is not in the grammar, or names an array outside
+            `prefix/` (named by the part's kind).
+    """
+    names: list[str] = []
+
+    def note(name: str) -> np.ndarray:
+        names.append(name)
+        return _UNREAD
+
+    decode_part_state(rec["state"], note)
+    outside = [n for n in names if not (isinstance(n, str) and n.startswith(f"{prefix}/"))]
+    if outside:
+        raise ValueError(f"{rec['kind']} state names array {outside[0]} outside {prefix}/")
+    return names
