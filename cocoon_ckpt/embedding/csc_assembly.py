@@ -32,7 +32,12 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from cocoon_ckpt.embedding.csc_window import StoredCSC, WindowCrcs, window_edges
+from cocoon_ckpt.embedding.csc_window import (
+    StoredCSC,
+    WindowCrcs,
+    window_edges,
+    window_layout,
+)
 from cocoon_ckpt.embedding.precompute import TileEntries
 from cocoon_ckpt.embedding.schedule import AccessSchedule
 from cocoon_ckpt.embedding.stored_tiles import PRECOMPUTE
@@ -187,7 +192,7 @@ class CscAssembly:
             )
         backend = self.store.backend
         ensure_groups(backend, SHARED, f"{self.name}/rows", {SHARED})
-        byte_edges = self.col_ptr[window_edges(self.col_ptr.size - 1, self.window_steps)]
+        byte_edges = window_layout(self.col_ptr, self.window_steps)[1]
         rows_out = _ArrayStream(self.store, f"{self.name}/rows", (self.nnz,), np.dtype(np.int64))
         vals_out = _ArrayStream(self.store, f"{self.name}/values", (self.nnz, self.dim), self.dtype)
         crcs = {

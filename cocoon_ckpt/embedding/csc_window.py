@@ -27,6 +27,7 @@ import math
 import os
 import stat
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -47,7 +48,15 @@ from state import (
 from state.arrays import chunk_key
 from state.version import check_confined
 
-__all__ = ["CSC_PARTS", "CscWindows", "StoredCSC", "WindowCrcs", "damaged", "window_edges"]
+__all__ = [
+    "CSC_PARTS",
+    "CscWindows",
+    "StoredCSC",
+    "WindowCrcs",
+    "damaged",
+    "window_edges",
+    "window_layout",
+]
 
 #: A CSC's arrays, by their name under `emb/<param>/csc/`.
 CSC_PARTS = ("col_ptr", "rows", "values")
@@ -143,11 +152,39 @@ class StoredCSC:
         )
 
 
+#: The tails are read in pieces of at least this many entries (or the largest window).
+TAIL_PIECE_MIN = 4096
+
+
 def window_edges(columns: int, window_steps: int) -> np.ndarray:
     """(windows + 1,) int64: the first column of each window of `window_steps`
     columns over `columns` columns, and `columns`."""
     windows = max(1, -(-columns // window_steps))
     return np.minimum(np.arange(windows + 1, dtype=np.int64) * window_steps, columns)
+
+
+def window_layout(col_ptr: np.ndarray, window_steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """The windows of a CSC: steps 0..n-1 in windows of `window_steps` columns, then
+    the tails (column n, one entry per cold row) in pieces no larger than the largest
+    of those (at least `TAIL_PIECE_MIN` entries), so no window holds every cold row.
+
+    Returns:
+        (windows,) int64 the first column of each window (n for a piece of the
+        tails), and (windows + 1,) int64 the entry offset where each starts, and nnz.
+    """
+    ptr = np.asarray(col_ptr, dtype=np.int64)
+    n = ptr.size - 2
+    cols = window_edges(n, window_steps) if n > 0 else np.zeros(1, np.int64)
+    edges = ptr[cols]
+    largest = int(np.diff(edges).max(initial=0))
+    piece = max(largest, TAIL_PIECE_MIN)
+    tails = int(ptr[n + 1] - ptr[n])
+    pieces = max(1, -(-tails // piece))
+    tail_edges = int(ptr[n]) + np.minimum(np.arange(1, pieces + 1) * piece, tails)
+    return (
+        np.concatenate([cols[:-1], np.full(pieces, n)]).astype(np.int64),
+        np.concatenate([edges, tail_edges]).astype(np.int64),
+    )
 
 
 class WindowCrcs:
@@ -193,11 +230,9 @@ def damaged(stored: StoredCSC, path: str, what: str) -> StoreError:
 
 @dataclass(frozen=True, slots=True)
 class _Window:
-    """Columns [t0, t1) of a CSC: its entries [base, base + rows.size)."""
+    """Window `index` of a CSC: its entries [base, base + rows.size)."""
 
     index: int
-    t0: int
-    t1: int
     base: int
     rows: np.ndarray
     values: np.ndarray
@@ -251,9 +286,9 @@ class CscWindows:
         self.steps = stored.steps
         self.nnz = stored.nnz
         self.nbytes = stored.nbytes
-        bounds = window_edges(self.steps + 1, window_steps)
-        self.windows = bounds.size - 1
-        self._edges = self.col_ptr[bounds]  # entry offset of each window's first column
+        self._wcols, self._edges = window_layout(self.col_ptr, window_steps)
+        self.windows = int(self._wcols.size)
+        self._first_tail = int(np.searchsorted(self._wcols, self.steps))
         self._arrays = {k: _ArrayReader(stored, k) for k in ("rows", "values")}
         if crcs is not None:
             if any(len(crcs[k]) != self.windows for k in self._arrays):
@@ -287,10 +322,27 @@ class CscWindows:
 
     def column(self, t: int) -> tuple[np.ndarray, np.ndarray]:
         """(rows, values) applied before step t (t = steps: the tails), as the whole CSC
-        gives them."""
+        gives them. The tails of a CSC whose tails are in several pieces are gathered
+        whole: apply them with `tail_pieces`, which holds one piece at a time."""
         if not 0 <= t <= self.steps:
             raise IndexError(f"column {t} of a CSC of {self.steps} steps (0..{self.steps})")
-        w = t // self.window_steps
+        if t == self.steps and self.windows - self._first_tail > 1:
+            pieces = list(self.tail_pieces())
+            return np.concatenate([p[0] for p in pieces]), np.concatenate([p[1] for p in pieces])
+        cur = self._switch(int(np.searchsorted(self._wcols, t, side="right")) - 1)
+        lo, hi = int(self.col_ptr[t]) - cur.base, int(self.col_ptr[t + 1]) - cur.base
+        return cur.rows[lo:hi], cur.values[lo:hi]
+
+    def tail_pieces(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The tails (column n) as (rows, values) pieces of at most a window each, in
+        row order: one after another they are column n, whose rows are distinct, so
+        applying them in turn adds what applying the column at once adds."""
+        for w in range(self._first_tail, self.windows):
+            cur = self._switch(w)
+            yield cur.rows, cur.values
+
+    def _switch(self, w: int) -> _Window:
+        """Window w made the current one, and the next one prefetched."""
         cur = self._current
         if cur is None or cur.index != w:
             self._release(cur)
@@ -299,8 +351,7 @@ class CscWindows:
             self._current = cur
             if w + 1 < self.windows:
                 self._prefetch(w + 1)
-        lo, hi = int(self.col_ptr[t]) - cur.base, int(self.col_ptr[t + 1]) - cur.base
-        return cur.rows[lo:hi], cur.values[lo:hi]
+        return cur
 
     def _take(self, w: int) -> _Window:
         fut, self._next = self._next, None
@@ -318,8 +369,7 @@ class CscWindows:
     def _read(self, w: int) -> _Window:
         lo, hi = int(self._edges[w]), int(self._edges[w + 1])
         got = {k: a.read(lo, hi, self._crcs[k][w], w) for k, a in self._arrays.items()}
-        t0 = w * self.window_steps
-        win = _Window(w, t0, min(t0 + self.window_steps, self.steps + 1), lo, *got.values())
+        win = _Window(w, lo, got["rows"], got["values"])
         with self._lock:
             self.resident_bytes += win.nbytes
             self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)

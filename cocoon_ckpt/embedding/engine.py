@@ -304,11 +304,11 @@ class TableEngine:
         if self.plan.mode is TableMode.COALESCED:
             if self.csc is None:
                 raise RuntimeError(f"table {self.spec.param}: precompute() has not run")
-            rows, vals = self.csc.column(t)
-            if rows.size:
-                with one_thread():  # a column is about a batch of rows (one_thread says why)
-                    weight.index_add_(0, torch.from_numpy(rows), torch.from_numpy(vals))
-            self.entries_applied += int(rows.size)
+            if t == self.schedule.steps and isinstance(self.csc, CscWindows):
+                for rows, vals in self.csc.tail_pieces():  # one window's worth at a time
+                    self._apply(weight, rows, vals)
+            else:
+                self._apply(weight, *self.csc.column(t))
         elif self.lazy is not None:
             lo, hi = int(self.schedule.step_ptr[t]), int(self.schedule.step_ptr[t + 1])
             if hi > lo:
@@ -318,6 +318,12 @@ class TableEngine:
                 )
                 weight.index_add_(0, torch.from_numpy(rows), torch.from_numpy(upd).to(self.dtype))
                 self.entries_applied += hi - lo
+
+    def _apply(self, weight: torch.Tensor, rows: np.ndarray, vals: np.ndarray) -> None:
+        if rows.size:
+            with one_thread():  # a column is about a batch of rows (one_thread says why)
+                weight.index_add_(0, torch.from_numpy(rows), torch.from_numpy(vals))
+        self.entries_applied += int(rows.size)
 
     def online_noise(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows, w rows) of this step's online noise, (H,) and (H, dim), or None."""

@@ -27,6 +27,7 @@ from cocoon_ckpt.embedding import (
     AccessSchedule,
     CoalescedCSC,
     csc_assembly,
+    csc_window,
     precompute_csc,
     table_noise,
 )
@@ -110,7 +111,8 @@ def test_every_column_is_the_whole_cscs(tmp_path: Path, window: int, like: bool)
     try:
         steps = list(range(STEPS + 1))
         assert _columns(windows, steps) == _columns(csc, steps)
-        assert windows.windows_read == -(-(STEPS + 1) // window)  # each read once, in order
+        # each read once, in order: the steps' windows, then the tails' pieces
+        assert windows.windows_read == windows.windows >= -(-STEPS // window) + 1
         # out of order (a resume mid-window, a re-read) is answered too
         jumbled = [17, 3, 3, STEPS, 0, 29, 18, STEPS - 1]
         assert _columns(windows, jumbled) == _columns(csc, jumbled)
@@ -147,6 +149,24 @@ def test_the_resident_csc_stays_bounded(tmp_path: Path) -> None:
     # besides the windows: a chunk or two in flight, the column pointer, the window
     # crcs and the prefetch thread's own objects
     assert peak < total / 4, (peak, bound, total)
+    windows.close()
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_the_tails_are_read_in_pieces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Column n holds every cold row: it is read in pieces no larger than the largest
+    window, which applied in turn give the table the whole column gives it."""
+    monkeypatch.setattr(csc_window, "TAIL_PIECE_MIN", 8)
+    csc = _csc()
+    windows = CscWindows(_commit(tmp_path / "s.zarr", csc), 2)
+    pieces = list(windows.tail_pieces())
+    largest = max(int(np.diff(csc.col_ptr[: STEPS + 1]).reshape(-1, 2).sum(axis=1).max()), 8)
+    assert len(pieces) == -(-(ROWS - HOT) // largest) > 1
+    rows, vals = csc.column(STEPS)
+    assert b"".join(p[0].tobytes() for p in pieces) == rows.tobytes()
+    assert b"".join(p[1].tobytes() for p in pieces) == vals.tobytes()
+    assert windows.column(STEPS)[1].tobytes() == vals.tobytes()  # gathered whole on request
+    assert windows.peak_resident_bytes <= 2 * windows.max_window_bytes()
     windows.close()
 
 
@@ -218,7 +238,7 @@ def test_a_csc_assembled_in_the_store_is_the_in_memory_one(
     assert stored.version is None and not Path(assembly.spill).exists()
     assert stored.metas["values"].chunks is not None
     assert stored.metas["values"].chunks[0] < whole.nnz  # streamed over several chunks
-    assert assembly.bucket_cols.size - 1 == -(-(STEPS + 1) // window)
+    assert assembly.bucket_cols.size - 1 == -(-(STEPS + 1) // window)  # one per window
     txn = store.begin(1)
     for k, meta in stored.metas.items():
         txn.reference(emb_name(PARAM, f"csc/{k}"), meta)
