@@ -22,9 +22,19 @@ per-sample gradients vmap forms grow with the parameters, ghost's norms with T^2
 "steps MiB" is the peak RSS during the timed steps above the RSS before them (after the
 warm-up steps, whose one-time costs the whole-process peak includes).
 
+A ring beyond host memory (`--host-budget`, `--far-dir`): our ghost DP step with the ring
+all on the host at the smallest `--far-bands`, against the ring split over a host budget
+and a far tier backed by a file in `--far-dir`, at each `--far-bands` (the largest need
+not fit in RAM). Each ring is written whole before the timed steps (a job past step b-1;
+a new far file's holes would read as zeros without touching the disk). The CPU clock
+adds the far worker's CPU time; peak RSS is the trainer's, the worker's beside it.
+
     python bench/scale.py                      # 4 blocks, d 256, seq 32: < 2 min on 2 cores
     python bench/scale.py --85m                # 12 blocks, d 768, 12 heads (GPT-2 small)
     python bench/scale.py --device cuda        # the same on a GPU
+    python bench/scale.py --85m --far-only --host-budget 4GB --far-dir /var/tmp
+                                               # b = 16 on the host vs host 4 GB + far file,
+                                               # and b = 32 (10.6 GB of ring) on host + far
     /tmp/opvenv/bin/python bench/scale.py      # with opacus installed (a venv with
                                                # --system-site-packages and opacus)
 """
@@ -35,6 +45,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import resource
 import statistics
 import subprocess
@@ -118,6 +129,12 @@ def child(spec: dict[str, Any]) -> None:
     # wall time, not the work a step does (CUDA steps are timed on the wall clock)
     cpu = spec["clock"] == "cpu" and device.type != "cuda"
     clock = time.process_time if cpu else time.perf_counter
+    far = _far_worker_pid(step)
+    if cpu and far is not None:  # the far tier's GEMV runs in its worker: its CPU counts
+
+        def clock() -> float:
+            return time.process_time() + _cpu_s(far)
+
     times = []
     base, reset = 0, False
     for i in range(spec["warmup"] + spec["steps"]):
@@ -131,6 +148,8 @@ def child(spec: dict[str, Any]) -> None:
                 reset = False
         if device.type == "cuda":
             torch.cuda.synchronize()
+        if spec.get("far_cold"):
+            _drop_far_cache(step)
         t = clock()
         step(i)
         if device.type == "cuda":
@@ -147,13 +166,49 @@ def child(spec: dict[str, Any]) -> None:
     }
     if device.type == "cuda":
         out["cuda_peak_mib"] = torch.cuda.max_memory_allocated() / MIB
+    if far is not None:  # the far tier's worker is a process of its own
+        out["far_worker_mib"] = _status_kib("VmHWM", far) / 1024
+        history = step.trainer.noise.history
+        out["plan"] = {p["tier"]: p["stop"] - p["start"] for p in history.placement()}
+    trainer = getattr(step, "trainer", None)
+    if trainer is not None:
+        trainer.close()  # the far tier's folder goes with it
     print(json.dumps(out))
 
 
-def _status_kib(field: str) -> int:
-    """A field of /proc/self/status in KiB (VmRSS, VmHWM); 0 where there is none."""
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _drop_far_cache(step: Any) -> None:
+    """Write the far file's dirty pages out and drop its pages from the page cache, so
+    the next GEMV reads the far part from the disk (a ring beyond RAM, where the cache
+    cannot hold it)."""
+    history = getattr(getattr(getattr(step, "trainer", None), "noise", None), "history", None)
+    for tier in getattr(history, "tiers", []):
+        fd = getattr(tier, "_fd", None)
+        if fd is not None:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _far_worker_pid(step: Any) -> int | None:
+    """The far tier's worker process of our step's ring, if it has one."""
+    history = getattr(getattr(getattr(step, "trainer", None), "noise", None), "history", None)
+    for tier in getattr(history, "tiers", []):
+        pid = getattr(tier, "worker_pid", None)
+        if pid is not None:
+            return int(pid)
+    return None
+
+
+def _status_kib(field: str, pid: int | str = "self") -> int:
+    """A field of /proc/<pid>/status in KiB (VmRSS, VmHWM); 0 where there is none."""
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1])
@@ -213,15 +268,38 @@ def _step(
         )
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         data = (torch.cat([c[0] for c in batches]), torch.cat([c[1] for c in batches]))
-        trainer = DPTrainer(model, opt, loss_fn, data, cfg, bytes(32))
+        trainer = DPTrainer(model, opt, loss_fn, data, cfg, bytes(32), tiers=_tiers(spec))
+        if spec.get("fill_ring"):
+            _fill_ring(trainer.noise.history)
 
         def ours(i: int) -> None:
             xb, yb = batches[i % len(batches)]
             idx = torch.arange(b, dtype=torch.int64)
             trainer.train_step(Batch(trainer.step_index, idx, (xb, yb), b))
 
+        ours.trainer = trainer  # type: ignore[attr-defined]
         return ours
     return _opacus_step(kind, model, loss_fn, spec, batches, chunks, device)
+
+
+def _tiers(spec: dict[str, Any]) -> Any:
+    """The TierConfig of a `--host-budget` row: the host holds what fits in the budget,
+    a far tier backed by a file in `--far-dir` the rest (None: all on the host)."""
+    if spec.get("host_budget") is None:
+        return None
+    from cocoon_ckpt.tiers import TierConfig
+
+    return TierConfig(
+        device_bytes=0, host_bytes=spec["host_budget"], far_bytes=None, far_dir=spec["far_dir"]
+    )
+
+
+def _fill_ring(history: Any) -> None:
+    """Write every ring slot once before the timed steps, as a job past step b-1 has:
+    a far file's unwritten holes read as zeros without touching the disk."""
+    g = torch.Generator().manual_seed(2)
+    for slot in range(history.slots):
+        history.write(slot, torch.randn(history.width, generator=g).numpy())
 
 
 def _opacus_step(
@@ -308,6 +386,58 @@ def table(spec: dict[str, Any], kinds: list[str]) -> dict[str, dict[str, Any]]:
     return rows
 
 
+def _bytes(text: str) -> int:
+    """'4GB', '512MiB', '1e9' as bytes (GB = 10^9, GiB = 2^30)."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6}
+    units |= {"gb": 10**9, "tb": 10**12, "b": 1}
+    low = text.strip().lower()
+    for suffix in sorted(units, key=len, reverse=True):
+        if low.endswith(suffix):
+            return int(float(low[: -len(suffix)]) * units[suffix])
+    return int(float(low))
+
+
+def far_table(
+    spec: dict[str, Any], budget: int, far_dir: str, bands: list[int], cold: bool = False
+) -> None:
+    """Our ghost DP step with the ring on the host against the ring split over a host
+    budget and a far tier on disk: at the smallest b, both (the same ring, the same
+    bits); at the larger b, the far split alone (its ring need not fit in RAM). Every
+    ring is written whole before the timed steps (steady state: no holes in the file).
+    `cold`: the far file's pages are dropped from the page cache before each step."""
+    base_b = min(bands)
+    rows: list[tuple[str, int, dict[str, Any] | None]] = []
+    host = {**spec, "bands": base_b, "fill_ring": True}
+    rows.append(("all on host", base_b, run(host, "ghost")))
+    for b in sorted(bands):
+        tiered = {**host, "bands": b, "host_budget": budget, "far_dir": far_dir}
+        tiered["far_cold"] = cold
+        name = f"host {budget / 1e9:g} GB + far" + (" cold" if cold else "")
+        rows.append((name, b, run(tiered, "ghost")))
+    base = rows[0][2]
+    print(
+        f"\nring beyond host memory: ghost DP step, depth {spec['depth']}, d {spec['d']}, "
+        f"batch {spec['batch']}, physical {spec['physical']}, far file in {far_dir}, "
+        f"{spec['clock']} clock"
+    )
+    print(
+        f"  {'ring':<25} {'b':>3} {'ring GB':>8} {'s/step':>8} {'range':>15} "
+        f"{'x host b=' + str(base_b):>11} {'peak RSS MiB':>13} {'worker MiB':>11}"
+        "  columns per tier"
+    )
+    for name, b, r in rows:
+        if r is None:
+            continue
+        ring_gb = (b - 1) * r["params"] * 4 / 1e9
+        ratio = r["s"] / base["s"] if base else float("nan")
+        lo, hi = r["range"]
+        print(
+            f"  {name:<25} {b:>3} {ring_gb:8.2f} {r['s']:8.3f} {lo:7.3f}-{hi:<7.3f} "
+            f"{ratio:11.2f} {r['rss_mib']:13.0f} {r.get('far_worker_mib', 0):11.0f}"
+            + (f"  {r['plan']}" if "plan" in r else "")
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -340,6 +470,27 @@ def main() -> None:
         default=[8, 128],
         help="sequence lengths of the crossover at depth 2 and --d (none: skip)",
     )
+    p.add_argument(
+        "--host-budget",
+        type=_bytes,
+        default=None,
+        help="with --far-dir: the ring-beyond-host-memory table, host budget in bytes "
+        "(4GB, 512MiB)",
+    )
+    p.add_argument("--far-dir", help="folder of the far tier's file (a local disk)")
+    p.add_argument(
+        "--far-bands",
+        type=int,
+        nargs="+",
+        default=[16, 32],
+        help="b of the far-tier rows; all-on-host rows run at the smallest",
+    )
+    p.add_argument("--far-only", action="store_true", help="only the far-tier table")
+    p.add_argument(
+        "--far-cold",
+        action="store_true",
+        help="drop the far file from the page cache before each step (read from the disk)",
+    )
     args = p.parse_args()
     if args.child:
         child(json.loads(args.child))
@@ -365,6 +516,10 @@ def main() -> None:
             "clock",
         )
     }
+    if args.far_dir is not None and args.host_budget is not None:
+        far_table(spec, args.host_budget, args.far_dir, args.far_bands, args.far_cold)
+        if args.far_only:
+            return
     # "-clip": the clipped sum alone (no noise, no optimizer), the clipping's own share
     kinds = ["non-private", "vmap", "ghost", "vmap-clip", "ghost-clip"]
     if importlib.util.find_spec("opacus") is not None:

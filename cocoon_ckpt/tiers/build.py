@@ -97,7 +97,8 @@ def build_history(
                 f"bytes, plus the device's merge buffer when there is a device tier); the "
                 f"tiers have {have} bytes ({', '.join(f'{t.name} {t.capacity}' for t in tiers)})"
                 f": {(units - sum(caps.values())) * per_unit} bytes missing. Give a tier more "
-                "memory or add a far tier"
+                "memory, or add a far tier on a local disk (TierConfig far_bytes=None, far_dir"
+                '=a folder; --tiers \'{"far_bytes": null, "far_dir": "/var/tmp"}\')'
             )
         seconds: dict[str, float] = {}
         if cfg.counts is not None:
