@@ -24,6 +24,7 @@ from cocoon_ckpt.dp.noise import (
     NoiseRng,
     bandmf_step,
 )
+from cocoon_ckpt.dp.noise_mechanism import replay_rows
 from cocoon_ckpt.dp.ring import HostRing, RingHistory, load_ring_into, shard_ring
 from cocoon_ckpt.errors import StoredStateError
 from state import hooks
@@ -140,19 +141,19 @@ class BandMFNoise:
         w: torch.Tensor = torch.linalg.solve_triangular(c, z, upper=False)
         return w
 
-    def regenerate_rows(self, coords: np.ndarray, after: Iterable[int]) -> dict[int, np.ndarray]:
-        """The ring at `coords` after each step in `after`, {t: (b-1, len(coords))},
-        replayed from the key (`NoiseMechanism.regenerate_rows`): slot t mod (b-1) of
-        entry t is w_t as the ring keeps it (C_T^-1 z, before a column-normalized C's
-        scale s_t)."""
-        want = set(after)
-        ring = HostRing(self.mechanism.bands - 1, len(coords), self.fresh_noise.np_dtype)
-        out: dict[int, np.ndarray] = {}
-        for t in range(max(want, default=-1) + 1):
-            bandmf_step(self.mechanism, t, self.fresh_noise.fresh_at(t, coords), ring)
-            if t in want:
-                out[t] = ring.gather()
-        return out
+    def regenerate_rows(
+        self, coords: np.ndarray, rows: Iterable[tuple[int, int]]
+    ) -> dict[tuple[int, int], np.ndarray]:
+        """Ring slots at `coords` once their label's step was taken, replayed from the
+        key (`NoiseMechanism.regenerate_rows`): (t mod (b-1), t) is w_t as the ring
+        keeps it (C_T^-1 z, before a column-normalized C's scale s_t)."""
+        return replay_rows(
+            rows,
+            HostRing(self.mechanism.bands - 1, len(coords), self.fresh_noise.np_dtype),
+            lambda t, ring: bandmf_step(
+                self.mechanism, t, self.fresh_noise.fresh_at(t, coords), ring
+            ),
+        )
 
     # state -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

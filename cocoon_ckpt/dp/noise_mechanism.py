@@ -11,18 +11,17 @@ protocol. `cocoon_ckpt.dp.testing.noise_tests` is its conformance suite.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
-
     import numpy as np
     import torch
 
     from cocoon_ckpt.dp.noise import KeyedNoise
     from cocoon_ckpt.dp.ring import RingHistory
 
-__all__ = ["NoiseMechanism"]
+__all__ = ["NoiseMechanism", "replay_rows"]
 
 
 @runtime_checkable
@@ -85,14 +84,16 @@ class NoiseMechanism(Protocol):
         this instance's state as it was."""
         ...
 
-    def regenerate_rows(self, coords: np.ndarray, after: Iterable[int]) -> dict[int, np.ndarray]:
-        """What the audit compares stored rows with: the rows as they stood after each
-        step t in `after`, at the coordinates `coords` of the whole dimension (not only
-        this shard's), {t: (rows, len(coords))}, replayed from step 0 on those
-        coordinates alone from the key (the recursion is coordinate-wise and the GEMV
-        has one order of rounding, so bit for bit what an instance held). Row r of
-        entry t is the stored row labelled t in slot r. Leaves this instance's state
-        as it was."""
+    def regenerate_rows(
+        self, coords: np.ndarray, rows: Iterable[tuple[int, int]]
+    ) -> dict[tuple[int, int], np.ndarray]:
+        """What the audit compares stored rows with: each (slot, label) of `rows` as the
+        row held it once step `label` was taken, at the coordinates `coords` of the
+        whole dimension (not only this shard's), {(slot, label): (len(coords),)},
+        replayed from step 0 on those coordinates alone from the key (the recursion is
+        coordinate-wise and the GEMV has one order of rounding, so bit for bit what an
+        instance held). Memory is the rows asked for, not the steps replayed. Leaves
+        this instance's state as it was."""
         ...
 
     def history_bytes(self) -> int:
@@ -115,3 +116,26 @@ class NoiseMechanism(Protocol):
             ValueError: another shard, or rows of another shape or dtype.
         """
         ...
+
+
+def replay_rows(
+    rows: Iterable[tuple[int, int]],
+    history: RingHistory,
+    step: Callable[[int, RingHistory], object],
+) -> dict[tuple[int, int], np.ndarray]:
+    """The replay every `regenerate_rows` runs: `step(t, history)` for t = 0 up to the
+    last label asked for, each (slot, label) of `rows` read from `history` once step
+    `label` is taken.
+
+    Raises:
+        IndexError: a slot outside the history's rows.
+    """
+    by_step: dict[int, list[int]] = {}
+    for slot, label in rows:
+        by_step.setdefault(label, []).append(slot)
+    out: dict[tuple[int, int], np.ndarray] = {}
+    for t in range(max(by_step, default=-1) + 1):
+        step(t, history)
+        for slot in by_step.get(t, ()):
+            out[(slot, t)] = history.read(slot)
+    return out

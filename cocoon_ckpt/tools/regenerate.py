@@ -29,15 +29,15 @@ def regenerate_rows(
     std: float,
     dtype: str,
     coords: np.ndarray,
-    after: Iterable[int],
+    rows: Iterable[tuple[int, int]],
     rng: NoiseRng | str = NoiseRng.DEFAULT,
-) -> dict[int, np.ndarray]:
-    """The mechanism's stored rows at `coords` after each step t in `after`,
-    {t: (rows, len(coords))}, from the key and the generator `rng` the job drew its
-    noise with: row t mod (b-1) of entry t is BandMF's ring slot of step t (w_t as the
-    ring keeps it, before a column-normalized C's scale), row i a BLT's buffer i."""
+) -> dict[tuple[int, int], np.ndarray]:
+    """The stored rows `rows`, (slot, step label) each, at `coords`,
+    {(slot, label): (len(coords),)}, from the key and the generator `rng` the job drew
+    its noise with: BandMF's (t mod (b-1), t) is w_t as its ring keeps it (before a
+    column-normalized C's scale), a BLT's (i, t) its buffer i after step t."""
     noise = noise_for(mechanism, dim, key, std, dtype, start=0, stop=0, rng=rng)
     try:
-        return noise.regenerate_rows(coords, after)
+        return noise.regenerate_rows(coords, rows)
     finally:
         noise.close()

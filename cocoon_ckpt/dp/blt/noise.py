@@ -19,6 +19,7 @@ import torch
 from cocoon_ckpt._state_dict import check_state
 from cocoon_ckpt.dp.blt.strategy import BLT, blt_step
 from cocoon_ckpt.dp.noise import AFTER_FRESH, AFTER_GEMV, BEFORE_FRESH, KeyedNoise, NoiseRng
+from cocoon_ckpt.dp.noise_mechanism import replay_rows
 from cocoon_ckpt.dp.ring import HostRing, RingHistory, load_ring_into, shard_ring
 from cocoon_ckpt.errors import StoredStateError
 from state import hooks
@@ -130,18 +131,19 @@ class BLTNoise:
         last = self.t - 1 if self.t > 0 else None
         return [last] * self.blt.buffers
 
-    def regenerate_rows(self, coords: np.ndarray, after: Iterable[int]) -> dict[int, np.ndarray]:
-        """The d buffers at `coords` after each step in `after`, {t: (d, len(coords))},
-        replayed from the key by `blt_step` from step 0, O(t d) per coordinate
-        (`NoiseMechanism.regenerate_rows`)."""
-        want = set(after)
-        bufs = HostRing(self.blt.buffers, len(coords), self.fresh_noise.np_dtype)
-        out: dict[int, np.ndarray] = {}
-        for t in range(max(want, default=-1) + 1):
-            blt_step(self.blt, t, self.fresh_noise.fresh_at(t, coords), bufs, mix=self._mix)
-            if t in want:
-                out[t] = bufs.gather()
-        return out
+    def regenerate_rows(
+        self, coords: np.ndarray, rows: Iterable[tuple[int, int]]
+    ) -> dict[tuple[int, int], np.ndarray]:
+        """Buffers at `coords` after their label's step, replayed from the key by
+        `blt_step` from step 0, O(t d) per coordinate (`NoiseMechanism.regenerate_rows`):
+        (i, t) is buffer i after step t."""
+        return replay_rows(
+            rows,
+            HostRing(self.blt.buffers, len(coords), self.fresh_noise.np_dtype),
+            lambda t, bufs: blt_step(
+                self.blt, t, self.fresh_noise.fresh_at(t, coords), bufs, mix=self._mix
+            ),
+        )
 
     # state -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

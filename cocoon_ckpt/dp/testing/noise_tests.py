@@ -134,10 +134,12 @@ class NoiseMechanismTests:
             noise.step()
             held[t] = noise.state_rows.gather()[:, coords - start]
         rows = noise.state_rows.gather()
-        got = noise.regenerate_rows(coords, range(self.steps))
-        assert sorted(got) == list(range(self.steps))
-        assert all(np.array_equal(got[t], held[t]) for t in held)
-        assert noise.regenerate_rows(coords, [3]).keys() == {3}
+        every = [(slot, t) for t in range(self.steps) for slot in range(len(held[t]))]
+        got = noise.regenerate_rows(coords, every)
+        assert got.keys() == set(every)
+        assert all(np.array_equal(got[(s, t)], held[t][s]) for s, t in every)
+        if every:
+            assert noise.regenerate_rows(coords, [every[-1]]).keys() == {every[-1]}
         assert noise.t == self.steps and np.array_equal(noise.state_rows.gather(), rows)
 
     # state ----------------------------------------------------------------------------

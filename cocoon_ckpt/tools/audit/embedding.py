@@ -203,9 +203,10 @@ def _check_table_ring(
     refs = slot_refs(t["slots"], f"table {t['param']}")
     got = {ref.step: slot_values(ver, ref) for ref in refs}
     dtype = str(next(iter(got.values())).dtype)
-    rows = regenerate_rows(key, mechanism, int(t["rows"]) * int(t["dim"]), std, dtype, coords, got)
     # each stored step's ring slot as the ring kept it
-    want = {step: rows[step][step % (mechanism.bands - 1)] for step in got}
+    held = [(step % (mechanism.bands - 1), step) for step in got]
+    rows = regenerate_rows(key, mechanism, int(t["rows"]) * int(t["dim"]), std, dtype, coords, held)
+    want = {step: rows[(slot, step)] for slot, step in held}
     same = 0
     for step, arr in sorted(got.items()):
         if np.array_equal(arr[coords], want[step]):
