@@ -38,7 +38,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
 
     from cocoon_ckpt import BandMF
     from cocoon_ckpt.embedding import AccessSchedule, precompute_csc, table_noise
-    from cocoon_ckpt.embedding.csc_assembly import CscAssembly, expected_col_ptr
+    from cocoon_ckpt.embedding.csc_assembly import CscAssembly
     from cocoon_ckpt.embedding.csc_window import CscWindows
     from cocoon_ckpt.embedding.one_thread import one_thread
     from cocoon_ckpt.embedding.precompute import precompute_into
@@ -70,8 +70,9 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     else:
         store = Store.open(tempfile.mkdtemp(dir=args.store_dir) + "/s.zarr")
         store.acquire_lease()
-        ptr = expected_col_ptr(sched, order, hot)
-        assembly = CscAssembly(store, "emb.weight", ptr, args.dim, noise.np_dtype, args.window)
+        assembly = CscAssembly(
+            store, "emb.weight", sched, order, hot, args.dim, noise.np_dtype, args.window
+        )
         try:
             precompute_into(assembly.add, sched, order, hot, args.dim, mech, noise, factors)
             stored, crcs = assembly.finish()

@@ -78,7 +78,8 @@ class CscAssembly:
     Args:
         store: the job's store (its writer lease held).
         param: the table's parameter name.
-        col_ptr: `expected_col_ptr` of the table.
+        schedule, order, hot: the table's schedule, noise order and H (its CSC's
+            column pointer, `expected_col_ptr`, and its cold rows follow).
         dim, dtype: the values' width and dtype.
         window_steps: the reader's window (`CscWindows`); its crcs are computed as the
             arrays are written.
@@ -92,30 +93,23 @@ class CscAssembly:
         self,
         store: Store,
         param: str,
-        col_ptr: np.ndarray,
+        schedule: AccessSchedule,
+        order: np.ndarray,
+        hot: int,
         dim: int,
         dtype: np.dtype[Any],
         window_steps: int,
     ) -> None:
         self.store = store
         self.param = param
-        self.col_ptr = np.asarray(col_ptr, dtype=np.int64)
+        self.col_ptr = expected_col_ptr(schedule, order, hot)
         self.dim = dim
         self.dtype = np.dtype(dtype)
         self.window_steps = window_steps
         self.entry_bytes = 16 + dim * self.dtype.itemsize
         self.nnz = int(self.col_ptr[-1])
-        cols = self.col_ptr.size - 1
-        wins = window_edges(cols, window_steps)
-        # buckets: runs of whole windows, each at least MIN_BUCKET_BYTES (but the last)
-        edges = [0]
-        for w in range(1, wins.size):
-            if (self.col_ptr[wins[w]] - self.col_ptr[edges[-1]]) * self.entry_bytes >= (
-                MIN_BUCKET_BYTES
-            ) or w == wins.size - 1:
-                edges.append(int(wins[w]))
-        self.bucket_cols = np.asarray(edges, dtype=np.int64)
-        buckets = self.bucket_cols.size - 1
+        self._layout(schedule.rows, order, hot)
+        buckets = self.buckets
         self._sizes = [0] * buckets
         self._crcs = [(0, 0)] * buckets
         backend = store.backend
@@ -128,6 +122,33 @@ class CscAssembly:
         self.name = f"{token}/{emb_name(param, 'csc')}"
         self.spilled_bytes = 0
 
+    def _layout(self, rows: int, order: np.ndarray, hot: int) -> None:
+        """Buckets by (column, row), the CSC's order: runs of whole windows of steps,
+        each at least MIN_BUCKET_BYTES (but the last), then the tails (column n) in runs
+        of cold rows no larger than the largest of those, so no bucket holds every cold
+        row. Sets `_bounds` (each bucket's first key, column * R + row, and the end),
+        `_want` (each bucket's entries) and `buckets`."""
+        ptr = self.col_ptr
+        n = ptr.size - 2
+        starts = window_edges(n, self.window_steps) if n > 0 else np.zeros(1, np.int64)
+        cols = [0]
+        for c in starts[1:]:
+            if (ptr[c] - ptr[cols[-1]]) * self.entry_bytes >= MIN_BUCKET_BYTES or c == n:
+                cols.append(int(c))
+        want = [int(ptr[b] - ptr[a]) for a, b in zip(cols[:-1], cols[1:], strict=True)]
+        self._rows = rows
+        bounds = [c * rows for c in cols[:-1]]
+        cold = np.sort(order[hot:])
+        piece = max([*want, MIN_BUCKET_BYTES // self.entry_bytes, 1])
+        for k in range(0, cold.size, piece):
+            bounds.append(n * rows + (int(cold[k]) if k else 0))
+            want.append(min(piece, cold.size - k))
+        bounds.append((n + 1) * rows if cold.size else n * rows)
+        self._bounds = np.asarray(bounds, dtype=np.int64)
+        self._want = want
+        self.buckets = len(want)
+        self._tails_from = len(cols) - 1  # the first bucket of the tails
+
     def _file(self, b: int, kind: str) -> str:
         return os.path.join(self.spill, f"{b:06d}.{kind}")
 
@@ -135,10 +156,10 @@ class CscAssembly:
         """Spill one tile's entries ((E,) columns, (E,) rows, (E, dim) values) by
         bucket."""
         cols, rows, values = entries
-        bucket = np.searchsorted(self.bucket_cols, cols, side="right") - 1
+        bucket = np.searchsorted(self._bounds, cols * self._rows + rows, side="right") - 1
         order = np.argsort(bucket, kind="stable")
-        bounds = np.searchsorted(bucket[order], np.arange(self.bucket_cols.size))
-        for b in range(self.bucket_cols.size - 1):
+        bounds = np.searchsorted(bucket[order], np.arange(self.buckets + 1))
+        for b in range(self.buckets):
             lo, hi = int(bounds[b]), int(bounds[b + 1])
             if hi == lo:
                 continue
@@ -199,7 +220,8 @@ class CscAssembly:
             "rows": WindowCrcs(byte_edges * 8),
             "values": WindowCrcs(byte_edges * self.dim * self.dtype.itemsize),
         }
-        for b in range(self.bucket_cols.size - 1):
+        n = self.col_ptr.size - 2
+        for b in range(self.buckets):
             size = self._sizes[b]
             ci, cv = self._crcs[b]
             pairs = self._read(b, "idx", (size, 2), np.int64, ci)
@@ -208,12 +230,19 @@ class CscAssembly:
             cols, rows = pairs[order, 0], np.ascontiguousarray(pairs[order, 1])
             del pairs
             vals = vals[order]
-            c0, c1 = int(self.bucket_cols[b]), int(self.bucket_cols[b + 1])
-            want = np.diff(self.col_ptr[c0 : c1 + 1])
-            if not np.array_equal(np.bincount(cols - c0, minlength=c1 - c0), want):
+            if b < self._tails_from:  # columns [c0, c1): one entry per cold row read
+                c0, c1 = (int(x) // self._rows for x in self._bounds[b : b + 2])
+                want = np.diff(self.col_ptr[c0 : c1 + 1])
+                ok = np.array_equal(np.bincount(cols - c0, minlength=c1 - c0), want)
+                what = f"columns {c0}..{c1 - 1}"
+            else:  # a run of the tails: one entry per cold row, each row once
+                ok = size == self._want[b] and bool(np.all(cols == n))
+                ok = ok and bool(np.all(np.diff(rows) > 0))
+                what = f"tails (bucket {b})"
+            if not ok:
                 raise StoreError(
-                    f"table {self.param}: the precompute's entries of columns {c0}..{c1 - 1} "
-                    "are not one per cold row read (a tile missing or twice)"
+                    f"table {self.param}: the precompute's entries of its {what} are not one "
+                    "per cold row read (a tile missing or twice); start the job again"
                 )
             crcs["rows"].feed(rows_out.written * 8, rows)
             crcs["values"].feed(vals_out.written * vals_out.row_bytes, vals)

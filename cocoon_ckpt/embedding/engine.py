@@ -20,7 +20,7 @@ from cocoon_ckpt.dp.generator import NoiseRng
 from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.embedding.config import TableMode, TableSpec
 from cocoon_ckpt.embedding.csc import CoalescedCSC
-from cocoon_ckpt.embedding.csc_assembly import CscAssembly, expected_col_ptr
+from cocoon_ckpt.embedding.csc_assembly import CscAssembly
 from cocoon_ckpt.embedding.csc_window import CscWindows, StoredCSC
 from cocoon_ckpt.embedding.lazy import LazyNoise
 from cocoon_ckpt.embedding.one_thread import one_thread
@@ -234,7 +234,9 @@ class TableEngine:
         assembly = CscAssembly(
             store,
             self.spec.param,
-            expected_col_ptr(self.schedule, self.order, self.plan.hot),
+            self.schedule,
+            self.order,
+            self.plan.hot,
             self.dim,
             self.noise.np_dtype,
             window,
