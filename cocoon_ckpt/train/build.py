@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -26,15 +27,17 @@ from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.identity import check_config_optimizer
 from cocoon_ckpt.train.job_data import JobData
 from cocoon_ckpt.train.mechanisms import Mechanism, build_mechanism, mechanism_from_state
-from cocoon_ckpt.train.model_checks import check_model
+from cocoon_ckpt.train.model_checks import checked_model
 from cocoon_ckpt.train.parts import JobParts, check_optimizer_step, optimizer_class, resolve
-from cocoon_ckpt.train.trainer import DPTrainer, check_scheduler
+from cocoon_ckpt.train.trainer import DPTrainer
 
 __all__ = [
+    "CheckedParts",
     "build_trainer",
     "check_first_batch",
     "check_part_states",
     "check_parts",
+    "checked_parts",
     "job_parts",
     "model_shapes",
     "rank0_mechanism",
@@ -42,24 +45,45 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True, slots=True)
+class CheckedParts:
+    """A job's parts that passed `check_parts` for its config: what a start builds and
+    checks once, on one rank or many, and hands to the trainer (which then does not check
+    them again)."""
+
+    parts: JobParts
+
+
+def checked_parts(config: JobConfig, builder: Callable[..., JobParts] | None) -> CheckedParts:
+    """The job's parts, built once (`job_parts`) and checked (`check_parts`).
+
+    Raises:
+        As `job_parts` and `check_parts`.
+    """
+    parts = job_parts(config, builder)
+    check_parts(config, parts)
+    return CheckedParts(parts)
+
+
 def build_trainer(
     config: JobConfig,
     key: bytes,
-    builder: Callable[..., JobParts] | None = None,
+    builder: Callable[..., JobParts] | CheckedParts | None = None,
     table_plans: dict[str, TablePlan] | None = None,
     dist: DistContext | None = None,
     mechanism: Mechanism | None = None,
 ) -> DPTrainer:
-    """The trainer of a job (`table_plans`: the embedding plans a resume must keep;
-    `mechanism`: the strategy a resume must keep, a stored BLT; None: built from the
-    config).
+    """The trainer of a job (`builder`: the parts' builder, None resolving `config.job`,
+    or parts a start checked already; `table_plans`: the embedding plans a resume must
+    keep; `mechanism`: the strategy a resume must keep, a stored BLT; None: built from
+    the config).
 
     Raises:
         JobError: the builder does not take (config) or does not return JobParts.
         ConfigError, UnsupportedModelError: a part is refused (`check_parts`).
     """
-    parts = job_parts(config, builder)
-    check_parts(config, parts)
+    checked = builder if isinstance(builder, CheckedParts) else checked_parts(config, builder)
+    parts = checked.parts
     if dist is not None:
         mechanism = rank0_mechanism(config, dist, mechanism)
     return DPTrainer(
@@ -111,8 +135,10 @@ def job_parts(config: JobConfig, builder: Callable[..., JobParts] | None) -> Job
 
 def check_parts(config: JobConfig, parts: JobParts) -> None:
     """The refusals of the job's parts that need no key, in one place for one rank and
-    many: `build_trainer` runs them, and a multi-process start runs them on every rank
-    before anything is written (`start.parts_on_ranks`).
+    many: a start runs them once, before anything is written (`start.start_job`; on
+    every rank of a multi-process job), and `build_trainer` runs them for parts no start
+    checked. The model's and scheduler's are `model_checks.checked_model`, the one home
+    `DPTrainer` is built from.
 
     The mechanism checks (`mechanisms.check_mechanism`) are not run: a mechanism built
     from a valid config passes them (JobConfig refuses a BLT with embedding tables), and
@@ -135,10 +161,10 @@ def check_parts(config: JobConfig, parts: JobParts) -> None:
     check_config_optimizer(parts.optimizer, config.optimizer, config.lr, parts.scheduler)
     check_optimizer_step(parts.optimizer, "JobParts.optimizer")
     check_part_states(parts)
-    check_scheduler(parts.scheduler)
     # the trainer's own data and model checks, run without the trainer
     check_first_batch(config, parts)
-    check_model(uncompiled(parts.model), parts.loss_fn, config.dp, _embedding(config, parts))
+    model = uncompiled(parts.model)
+    checked_model(model, parts.loss_fn, config.dp, _embedding(config, parts), parts.scheduler)
 
 
 def check_first_batch(config: JobConfig, parts: JobParts) -> None:

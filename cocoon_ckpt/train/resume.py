@@ -23,7 +23,7 @@ from cocoon_ckpt.format.stored import records_of, stored_table_plans
 from cocoon_ckpt.keys import key_id
 from cocoon_ckpt.train import config as cfgmod
 from cocoon_ckpt.train.allowances import ResumeAllowances
-from cocoon_ckpt.train.build import build_trainer, model_shapes
+from cocoon_ckpt.train.build import CheckedParts, build_trainer, model_shapes
 from cocoon_ckpt.train.config import JobConfig
 from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.grad_threads import resumed_grad_threads
@@ -48,7 +48,7 @@ __all__ = [
 def prepare_trainer(
     config: JobConfig,
     key: bytes,
-    builder: Callable[..., JobParts] | None,
+    builder: Callable[..., JobParts] | CheckedParts | None,
     dist: DistContext | None,
     resume: tuple[Store, Version] | None,
     allow: ResumeAllowances,

@@ -5,8 +5,9 @@ the version resumed from, the key, the allowances and the trainer.
 
 The store is opened once; a target epsilon is calibrated once, inside the start, against
 the version it resumes (`train.target_epsilon.resolve`: a new store calibrates, a resume
-takes the stored sigma). The parts' refusals are `build.check_parts`, run on every rank
-before anything is written.
+takes the stored sigma). The parts are built and their refusals run once
+(`build.check_parts`): on every rank before anything is opened, or in one process once
+the key file's place, the store and the key passed.
 
 Under torch.distributed the ranks first agree on what they were asked
 (`rank_agreement.agree_on_request`); every rank builds and checks its parts
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -37,7 +39,7 @@ from cocoon_ckpt.keys import (
     wrong_key,
 )
 from cocoon_ckpt.train.allowances import ResumeAllowances
-from cocoon_ckpt.train.build import check_parts, job_parts
+from cocoon_ckpt.train.build import CheckedParts, checked_parts
 from cocoon_ckpt.train.config import JobConfig
 from cocoon_ckpt.train.distributed import DistContext, check_distributed
 from cocoon_ckpt.train.options import JobOptions
@@ -154,16 +156,24 @@ def start_job(
         fs=options.fs,
     )
     builder = (lambda _config: parts) if isinstance(parts, JobParts) else parts
-    if dist is not None:
-        builder = parts_on_ranks(config, builder, dist)
-    found = start_ranks(config, store_url, dist, builder, options, leased=leased, hold=hold)
+    # The parts are built and checked once per start, and the trainer is built from them
+    # without checking them again: every rank's before rank 0 opens anything; one
+    # process's when its start reaches the trainer (after the key file's place, the
+    # store and the key, which refuse without importing the job).
+    checked: Callable[[], CheckedParts]
+    if dist is None:
+        checked = functools.cache(lambda: checked_parts(config, builder))
+    else:
+        on_ranks = parts_on_ranks(config, builder, dist)
+        checked = lambda: on_ranks  # noqa: E731
+    found = start_ranks(config, store_url, dist, checked, options, leased=leased, hold=hold)
     trainer = found.trainer
     if trainer is None:
         # In a multi-process job every rank builds its trainer after rank 0's start
         # (a user's builder may hold collectives), then checks and restores it; a
         # refusal on any rank is raised on all.
         resume = (found.store, found.version) if found.version is not None else None
-        trainer = trainer_on_ranks(found.config, found.key, builder, dist, resume, options.allow)
+        trainer = trainer_on_ranks(found.config, found.key, checked(), dist, resume, options.allow)
     return StartedJob(
         config=found.config,
         store=found.store,
@@ -201,7 +211,7 @@ def _with_sigma(
 def _start_here(
     asked: JobConfig,
     store_url: str,
-    builder: Callable[..., JobParts] | None,
+    parts: Callable[[], CheckedParts],
     options: JobOptions,
     dist: DistContext | None,
     leased: list[Store] | None,
@@ -232,7 +242,7 @@ def _start_here(
             resume = (store, latest) if store is not None and latest is not None else None
             trainer = None
             if dist is None:
-                trainer = prepare_trainer(config, key, builder, None, resume, allow)
+                trainer = prepare_trainer(config, key, parts(), None, resume, allow)
             elif resume is not None:
                 check_records(*resume, config.to_record(), None, key, allow.generator_change)
             try:
@@ -323,31 +333,29 @@ def _job_key(store: Store | None, key_file: str | None, *, resuming: bool) -> by
 
 def parts_on_ranks(
     config: JobConfig, builder: Callable[..., JobParts] | None, dist: DistContext
-) -> Callable[..., JobParts]:
-    """A builder of the parts every rank has built (once: a user's builder may hold
-    collectives and draws the model's initial weights) and checked as its trainer would,
-    before the coordinator writes anything: a refusal on any rank is raised on every
-    rank, with nothing written."""
-    built: list[JobParts] = []
+) -> CheckedParts:
+    """The parts every rank has built (once: a user's builder may hold collectives and
+    draws the model's initial weights) and checked (`build.check_parts`), before the
+    coordinator writes anything: a refusal on any rank is raised on every rank, with
+    nothing written."""
+    built: list[CheckedParts] = []
 
     def build() -> dict[str, str]:
         check_distributed(config.embedding, dist.world)
-        built.append(job_parts(config, builder))
-        check_parts(config, built[0])
-        return parts_values(config, built[0])
+        built.append(checked_parts(config, builder))
+        return parts_values(config, built[0].parts)
 
     # a failure on any rank, or parts that differ between ranks (model shapes, optimizer,
     # dataset), raised on every rank
     agree_on(dist, build)
-    parts = built[0]
-    return lambda _config: parts
+    return built[0]
 
 
 def start_ranks(
     config: JobConfig,
     store_url: str,
     dist: DistContext | None,
-    builder: Callable[..., JobParts] | None,
+    parts: Callable[[], CheckedParts],
     options: JobOptions,
     *,
     leased: list[Store] | None = None,
@@ -357,11 +365,11 @@ def start_ranks(
     the config with the coordinator's sigma, and (single process) the trainer, checked
     and restored."""
     if dist is None:
-        return _start_here(config, store_url, builder, options, None, leased, hold)
+        return _start_here(config, store_url, parts, options, None, leased, hold)
     started: list[_Found] = []
 
     def start() -> tuple[int | None, str, float | None, bool]:
-        started.append(_start_here(config, store_url, builder, options, dist, leased, hold))
+        started.append(_start_here(config, store_url, parts, options, dist, leased, hold))
         found = started[0]
         dp = found.config.dp
         version = found.version.version if found.version is not None else None
@@ -423,7 +431,7 @@ def _release(started: list[_Found]) -> None:
 def trainer_on_ranks(
     config: JobConfig,
     key: bytes,
-    builder: Callable[..., JobParts] | None,
+    builder: Callable[..., JobParts] | CheckedParts | None,
     dist: DistContext | None,
     resume: tuple[Store, Version] | None,
     allow: ResumeAllowances,

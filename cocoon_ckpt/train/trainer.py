@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,7 +17,7 @@ from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.embedding.engine import TablePlan
 from cocoon_ckpt.embedding.one_thread import fixed_threads
 from cocoon_ckpt.embedding.tables import EmbeddingNoise
-from cocoon_ckpt.errors import ConfigError, NonFiniteGradientError, StoredStateError
+from cocoon_ckpt.errors import NonFiniteGradientError, StoredStateError
 from cocoon_ckpt.format.trainer_state import (
     TRAINER_SCHEMA,
     TrainerState,
@@ -34,11 +33,10 @@ from cocoon_ckpt.format.trainer_state import (
 from cocoon_ckpt.tiers.config import TierConfig
 from cocoon_ckpt.train.config import DPConfig
 from cocoon_ckpt.train.data import Batch
-from cocoon_ckpt.train.device import batch_to, model_device
+from cocoon_ckpt.train.device import batch_to
 from cocoon_ckpt.train.distributed import DistContext, check_distributed
-from cocoon_ckpt.train.ghost import GhostGrads
 from cocoon_ckpt.train.grad_threads import resolve_grad_threads
-from cocoon_ckpt.train.grads import ClippedSum, PerSampleGrads
+from cocoon_ckpt.train.grads import ClippedSum
 from cocoon_ckpt.train.identity import job_identity
 from cocoon_ckpt.train.job_data import JobData
 from cocoon_ckpt.train.mechanisms import (
@@ -49,7 +47,7 @@ from cocoon_ckpt.train.mechanisms import (
     check_mechanism,
     tables_mechanism,
 )
-from cocoon_ckpt.train.model_checks import check_noise_rng, dense_param_names, table_specs
+from cocoon_ckpt.train.model_checks import check_scheduler, checked_model
 from cocoon_ckpt.train.noisy_grads import NoisyGradients
 from cocoon_ckpt.train.step_result import StepResult
 from cocoon_ckpt.train.table_noise import table_noise
@@ -61,41 +59,6 @@ __all__ = ["DPTrainer", "StepResult", "build_mechanism", "check_scheduler"]
 AFTER_UPDATE = hooks.declare("trainer.after_update", "after the optimizer step of step t")
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def check_scheduler(scheduler: Any) -> None:
-    """Refuse an LR scheduler the DP step cannot step: one whose `step()` needs an argument
-    (ReduceLROnPlateau's metric). The trainer steps it once per DP step with none, and has
-    no private metric to give it: the training loss is computed from the private batch
-    without noise, so a learning rate that follows it would leak the data outside the
-    privacy accounting. Refused when the trainer is built, before anything is written.
-
-    Raises:
-        ConfigError: naming the scheduler, what its step needs and the fix.
-    """
-    if scheduler is None:
-        return
-    step = getattr(scheduler, "step", None)
-    if not callable(step):
-        raise ConfigError(
-            f"the job's scheduler {type(scheduler).__name__} has no step(); give a "
-            "torch.optim.lr_scheduler scheduler (or None)"
-        )
-    try:
-        params = inspect.signature(step).parameters.values()
-    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
-        return
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    needed = [p.name for p in params if p.kind in positional and p.default is p.empty]
-    if needed:
-        raise ConfigError(
-            f"the job's scheduler {type(scheduler).__name__} steps on "
-            f"{', '.join(needed)} (step({', '.join(needed)})), and a DP step has no private "
-            "value to give it: the training loss comes from the private batch without "
-            "noise, so a learning rate that follows it would leak the data outside the "
-            "accounting; use a schedule fixed in advance (StepLR, CosineAnnealingLR, "
-            "LambdaLR, ...)"
-        )
 
 
 class DPTrainer:
@@ -178,17 +141,18 @@ class DPTrainer:
         grad_threads: int | None = None,
         worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S,
     ) -> None:
-        check_scheduler(scheduler)
         # asked for (None: any) and in force; a resume sets the stored count (train.resume)
         self.requested_grad_threads = grad_threads
         self.grad_threads = resolve_grad_threads(grad_threads)
         model = uncompiled(model)  # plain names; JobParts says why it trains the original
-        tables = table_specs(embedding)
-        self.param_names = dense_param_names(model, tables)
-        self.grads = (GhostGrads if config.clipping == "ghost" else PerSampleGrads)(
-            model, loss_fn, self.param_names, tables=tables
+        # the model's and scheduler's refusals, from their one home (`check_parts` runs
+        # the same before a start writes)
+        checked = checked_model(model, loss_fn, config, embedding, scheduler)
+        self.param_names, self.grads, self.device = (
+            checked.param_names,
+            checked.grads,
+            checked.device,
         )
-        self.device = model_device(model, self.param_names)
         if pin_memory is None:
             pin_memory = self.device.type == "cuda"
         self.data = JobData(
@@ -202,7 +166,6 @@ class DPTrainer:
         )
         self.dataset = self.data.dataset
         self.noise_rng = as_noise_rng(config.noise_rng)
-        check_noise_rng(embedding, self.noise_rng)
         if dist is not None:
             check_distributed(embedding, dist.world)
         self.model = model

@@ -21,7 +21,7 @@ from cocoon_ckpt._cli.main import main
 from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.errors import ConfigError, ConfigMismatchError
 from cocoon_ckpt.format.stored import model_state
-from cocoon_ckpt.train.build import job_parts
+from cocoon_ckpt.train.build import checked_parts, job_parts
 from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.options import JobOptions
 from cocoon_ckpt.train.rank_failure import packed, unpacked
@@ -209,7 +209,7 @@ def test_a_rank_that_cannot_open_the_store_stops_the_coordinator_lease_released(
             config,
             url,
             rank0,
-            None,
+            lambda: checked_parts(config, None),  # checked before this under ranks: not called
             JobOptions(key_file=str(key)),
         )
     assert str(caught.value) == str(missing)  # rank 1's error, path included

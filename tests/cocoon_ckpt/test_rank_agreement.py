@@ -15,6 +15,7 @@ import pytest
 
 from cocoon_ckpt._cli.main import main
 from cocoon_ckpt.keys import create_key_file, key_id, new_key
+from cocoon_ckpt.train.build import checked_parts
 from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.options import JobOptions
 from cocoon_ckpt.train.rank_agreement import RankDisagreementError, agree_on
@@ -203,7 +204,7 @@ def test_a_rank_reading_another_key_after_rank_0_made_it_is_refused(tmp_path: Pa
             config,
             url,
             rank1,
-            None,
+            lambda: checked_parts(config, None),  # checked before this under ranks: not called
             JobOptions(key_file=str(key)),
         )
     mine = key_id(key.read_bytes())
