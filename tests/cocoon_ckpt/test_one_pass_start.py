@@ -10,16 +10,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import cocoon_ckpt
 from cocoon_ckpt._cli.main import main
 from cocoon_ckpt.dp.accounting.calibration import noise_multiplier_for
-from cocoon_ckpt.errors import ConfigError, ConfigMismatchError
+from cocoon_ckpt.errors import CocoonError, ConfigError, ConfigMismatchError
+from cocoon_ckpt.examples import mlp
+from cocoon_ckpt.train import build as build_mod
 from cocoon_ckpt.train import target_epsilon as te
 from cocoon_ckpt.train.allowances import ResumeAllowances
 from cocoon_ckpt.train.options import JobOptions
 from cocoon_ckpt.train.runner import run_job
 from cocoon_ckpt.train.start import StartedJob, start_job
+from cocoon_ckpt.train.trainer import DPTrainer
 from state import Store
 from tests.cocoon_ckpt.conftest import job_config, tree
 
@@ -164,3 +168,62 @@ def test_job_options_is_public_and_the_old_keywords_are_gone(tmp_path: Path) -> 
         with pytest.raises(TypeError, match=old):
             cocoon_ckpt.open_job(job_config(), url, **{old: None})
     assert not Path(url).exists()
+
+
+def test_a_start_builds_and_checks_the_parts_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checks: list[str] = []
+    real = build_mod.check_parts
+
+    def counted(config: Any, parts: Any) -> None:
+        checks.append(config.job)
+        real(config, parts)
+
+    monkeypatch.setattr(build_mod, "check_parts", counted)
+    built: list[int] = []
+
+    def builder(config: Any) -> Any:
+        built.append(config.dp.steps)
+        return mlp.build(config)
+
+    url, options = str(tmp_path / "s.zarr"), JobOptions(key_file=str(tmp_path / "k"))
+    run_job(_target_job(), url, builder, options=options, stop_after=5)
+    assert built == [10] and checks == ["example:mlp"]  # a new job
+    run_job(_target_job(), url, builder, options=options)
+    assert built == [10, 10] and len(checks) == 2  # and its resume: once each
+
+
+@pytest.mark.parametrize("fault", ["scheduler", "batchnorm"])
+def test_the_trainer_and_a_start_refuse_a_model_by_one_definition(
+    tmp_path: Path, fault: str
+) -> None:
+    config = job_config(bands=2, steps=4)
+
+    def builder(cfg: Any) -> Any:
+        parts = mlp.build(cfg)
+        if fault == "scheduler":
+            sched = torch.optim.lr_scheduler.ReduceLROnPlateau(parts.optimizer)
+            return dataclasses.replace(parts, scheduler=sched)
+        model = torch.nn.Sequential(torch.nn.BatchNorm1d(20), *parts.model)
+        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+        return dataclasses.replace(parts, model=model, optimizer=opt)
+
+    parts = builder(config)
+    with pytest.raises(CocoonError) as direct:
+        DPTrainer(
+            parts.model,
+            parts.optimizer,
+            parts.loss_fn,
+            parts.dataset,
+            config.dp,
+            bytes(32),
+            scheduler=parts.scheduler,
+        )
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(CocoonError) as started:
+        run_job(config, str(out / "s.zarr"), builder, options=JobOptions(key_file=str(out / "k")))
+    assert type(started.value) is type(direct.value)
+    assert str(started.value) == str(direct.value)
+    assert not list(out.iterdir())  # refused before anything was written
