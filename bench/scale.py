@@ -168,7 +168,7 @@ def child(spec: dict[str, Any]) -> None:
         out["cuda_peak_mib"] = torch.cuda.max_memory_allocated() / MIB
     if far is not None:  # the far tier's worker is a process of its own
         out["far_worker_mib"] = _status_kib("VmHWM", far) / 1024
-        history = step.trainer.noise.history
+        history = step.trainer.noise.state_rows
         out["plan"] = {p["tier"]: p["stop"] - p["start"] for p in history.placement()}
     trainer = getattr(step, "trainer", None)
     if trainer is not None:
@@ -270,7 +270,7 @@ def _step(
         data = (torch.cat([c[0] for c in batches]), torch.cat([c[1] for c in batches]))
         trainer = DPTrainer(model, opt, loss_fn, data, cfg, bytes(32), tiers=_tiers(spec))
         if spec.get("fill_ring"):
-            _fill_ring(trainer.noise.history)
+            _fill_ring(trainer.noise.state_rows)
 
         def ours(i: int) -> None:
             xb, yb = batches[i % len(batches)]
