@@ -6,6 +6,10 @@ count, and equal to digests stored when the scheme was numpy's alone."""
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numba
 import numpy as np
@@ -162,3 +166,36 @@ def test_a_wrong_destination_is_refused_naming_it() -> None:
         keyed_gaussians(KEY, 0, 0, 10, np.empty(10, dtype=np.float16), 1.0, compiled=True)
     with pytest.raises(ValueError, match="C-contiguous"):
         keyed_gaussians(KEY, 0, 0, 10, np.empty(20)[::2], 1.0, compiled=True)
+
+
+def test_the_kernels_machine_code_fuses_no_multiply_and_add(tmp_path: Path) -> None:
+    # numpy's C rounds (fi[i-1] - fi[i]) u and then adds fi[i]; an FMA would round once
+    # and could flip a wedge test at its edge, too rarely for the draws above to show.
+    # A fresh numba cache in a child process: code loaded from a cache has no listing.
+    script = """
+import re, sys
+import numpy as np
+from cocoon_ckpt.dp import _ziggurat_kernel
+from cocoon_ckpt.dp.default_noise import BLOCK, keyed_gaussians
+for dtype in (np.float32, np.float64):
+    out = np.empty(2 * BLOCK, dtype=dtype)
+    keyed_gaussians(bytes(32), 1, 0, 2 * BLOCK, out, 0.5, 1, compiled=True)
+listings = _ziggurat_kernel._serial.inspect_asm()
+assert len(listings) == 2, listings.keys()
+for asm in listings.values():
+    assert "mulss" in asm or "mulsd" in asm, "the listing lacks the kernel's arithmetic"
+    fused = re.findall(r"\\bvfn?m(?:add|sub)\\w*", asm)
+    assert not fused, fused[:3]
+print("ok")
+"""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    run = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "ok"
