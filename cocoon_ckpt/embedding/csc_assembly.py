@@ -83,6 +83,10 @@ class CscAssembly:
         dim, dtype: the values' width and dtype.
         window_steps: the reader's window (`CscWindows`); its crcs are computed as the
             arrays are written.
+        digest: what determines the entries (`TableEngine.tile_digest`): the arrays go
+            to `shared/csc-<digest>/`, replacing what an attempt killed before the
+            first version left there (nothing references it: a store with a version
+            has its CSC and precomputes nothing); None: a fresh folder.
 
     Raises:
         StoreError: a spill file reads back other than written, or the entries are
@@ -99,6 +103,7 @@ class CscAssembly:
         dim: int,
         dtype: np.dtype[Any],
         window_steps: int,
+        digest: str | None = None,
     ) -> None:
         self.store = store
         self.param = param
@@ -119,7 +124,8 @@ class CscAssembly:
             os.makedirs(self.spill, mode=0o700)
         else:
             self.spill = tempfile.mkdtemp(prefix="cocoon-csc-")
-        self.name = f"{token}/{emb_name(param, 'csc')}"
+        self.folder = f"csc-{digest}" if digest is not None else token
+        self.name = f"{self.folder}/{emb_name(param, 'csc')}"
         self.spilled_bytes = 0
 
     def _layout(self, rows: int, order: np.ndarray, hot: int) -> None:
@@ -212,6 +218,7 @@ class CscAssembly:
                 f"entries, its schedule says {self.nnz}"
             )
         backend = self.store.backend
+        backend.rm(shared_path(self.name), recursive=True)  # a killed attempt's
         ensure_groups(backend, SHARED, f"{self.name}/rows", {SHARED})
         byte_edges = window_layout(self.col_ptr, self.window_steps)[1]
         rows_out = _ArrayStream(self.store, f"{self.name}/rows", (self.nnz,), np.dtype(np.int64))

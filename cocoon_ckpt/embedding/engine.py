@@ -215,11 +215,16 @@ class TableEngine:
         return self.csc
 
     def precompute_to_store(
-        self, store: Store, progress: Any = None, parts: TileParts | None = None
+        self,
+        store: Store,
+        progress: Any = None,
+        parts: TileParts | None = None,
+        digest: str | None = None,
     ) -> CscWindows:
         """Build the CSC of the cold rows into `store` (`embedding.csc_assembly`), never
         whole in memory, and read it in windows of `csc_window_steps` from then on;
-        the first version references it (the writer lease must be held).
+        the first version references it (the writer lease must be held). With
+        `digest` (`tile_digest`), a killed attempt's arrays are replaced, not left.
 
         Raises:
             ValueError: `csc_window_steps` is not set.
@@ -240,6 +245,7 @@ class TableEngine:
             self.dim,
             self.noise.np_dtype,
             window,
+            digest,
         )
         try:
             precompute_into(

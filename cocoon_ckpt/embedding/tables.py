@@ -187,7 +187,7 @@ class EmbeddingNoise:
         with TileWriter() if store is not None else contextlib.nullcontext() as writer:
             for e in self.engines:
                 if e.needs_precompute:
-                    parts = None
+                    parts, digest = None, None
                     if store is not None:
                         digest = e.tile_digest(job_fingerprint)
                         parts = StoredTiles(
@@ -195,7 +195,7 @@ class EmbeddingNoise:
                         )
                         kept.append(parts)
                     if store is not None and e.csc_window_steps is not None:
-                        e.precompute_to_store(store, progress, parts)  # never whole in memory
+                        e.precompute_to_store(store, progress, parts, digest)  # never whole
                     else:
                         e.precompute(progress, parts)
         for parts in kept:

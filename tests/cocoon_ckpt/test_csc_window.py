@@ -330,6 +330,30 @@ def test_an_assembly_resumed_from_kept_tiles_is_the_same_bytes(tmp_path: Path) -
     windows.close()
 
 
+def test_an_attempt_killed_before_the_first_version_leaves_no_second_csc(tmp_path: Path) -> None:
+    """Under the precompute's digest, the next attempt's arrays replace the ones an
+    attempt killed before the first version left (nothing references them yet)."""
+    root = tmp_path / "s.zarr"
+    store = Store.open(str(root))
+    store.acquire_lease()
+    sched, args = _case()
+    for _ in range(2):
+        assembly = CscAssembly(
+            store, PARAM, sched, args["order"], HOT, DIM, np.dtype(np.float32), 5, "d" * 32
+        )
+        precompute_into(assembly.add, **args, tile_rows=64, threads=1)
+        stored, crcs = assembly.finish()
+        assembly.close()
+    # beside the precompute's scratch (spills gone; deleted once a version holds the CSC)
+    folders = {p.name for p in (root / "shared").iterdir() if p.is_dir()}
+    assert folders == {f"csc-{'d' * 32}", "precompute"}
+    assert not [p for p in (root / "shared" / "precompute").rglob("*") if p.is_file()]
+    windows = CscWindows(stored, 5, crcs=crcs)
+    steps = list(range(STEPS + 1))
+    assert _columns(windows, steps) == _columns(_csc(), steps)
+    windows.close()
+
+
 def test_an_assembly_missing_a_tile_is_refused(tmp_path: Path) -> None:
     store = Store.open(str(tmp_path / "s.zarr"))
     store.acquire_lease()
