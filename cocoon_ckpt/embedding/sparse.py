@@ -17,7 +17,7 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from cocoon_ckpt.embedding.config import TableSpec
 from cocoon_ckpt.embedding.one_thread import one_thread
-from cocoon_ckpt.errors import UnsupportedModelError
+from cocoon_ckpt.errors import ConfigError, UnsupportedModelError
 
 __all__ = ["SparseGrads", "check_tables", "gather_rows", "sparse_per_sample", "sum_rows"]
 
@@ -59,25 +59,25 @@ def check_tables(
                 "and multiply the looked-up rows by it (the id column reads 0 in forward here)"
             )
         if spec.data_index >= len(data) - 1:
-            raise ValueError(
+            raise ConfigError(
                 f"embedding table {spec.param!r}: data_index={spec.data_index} but there are "
                 f"{len(data) - 1} input tensors (the last data tensor is the target)"
             )
         ids = data[spec.data_index]
         if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 2:
-            raise ValueError(
+            raise ConfigError(
                 f"embedding table {spec.param!r}: data[{spec.data_index}] must be an (N, "
                 f"columns) int tensor of ids, got {ids.dtype} {tuple(ids.shape)}"
             )
         if spec.column >= ids.shape[1]:
-            raise ValueError(
+            raise ConfigError(
                 f"embedding table {spec.param!r}: column={spec.column} but data"
                 f"[{spec.data_index}] has {ids.shape[1]} columns"
             )
         col = ids[:, spec.column]
         rows = mod.num_embeddings
         if col.numel() and (int(col.min()) < 0 or int(col.max()) >= rows):
-            raise ValueError(
+            raise ConfigError(
                 f"embedding table {spec.param!r} has {rows} rows but its ids span "
                 f"[{int(col.min())}, {int(col.max())}]"
             )

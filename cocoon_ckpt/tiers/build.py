@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from cocoon_ckpt.dp.noise import BLOCK
+from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.tiers.base import GemvMode, Tier, TierCapacityError, TierKind
 from cocoon_ckpt.tiers.config import TierConfig
 from cocoon_ckpt.tiers.device import DeviceTier, default_device
@@ -105,7 +106,7 @@ def build_history(
             counts = {t.name: cfg.counts.get(t.name, 0) for t in tiers}
             extra = set(cfg.counts) - set(counts)
             if extra or sum(counts.values()) != units:
-                raise ValueError(
+                raise ConfigError(
                     f"TierConfig.counts={cfg.counts}: must split {units} units over the "
                     f"tiers {list(counts)}"
                 )
