@@ -22,11 +22,11 @@ from cocoon_ckpt._state_dict import plain_keys
 from cocoon_ckpt.dp.accounting.amplified import epsilon_of_run
 from cocoon_ckpt.dp.accounting.method import AccountingMethod
 from cocoon_ckpt.errors import ConfigError, RequestError
+from cocoon_ckpt.format.fingerprint import fingerprint
 from cocoon_ckpt.format.stored import model_state, newest_records
 from cocoon_ckpt.keys import load_key, manifest_mac_key, read_key_file, sealed_under, wrong_key
 from cocoon_ckpt.layout import KEY_SECRET, THREAT_MODEL_DEFAULT
 from cocoon_ckpt.tools.guarantee import describe
-from cocoon_ckpt.train import config as cfgmod
 from cocoon_ckpt.train.config import JobConfig
 from state import CorruptVersionError, Store, StoreError, UnauthenticatedVersionError, Version
 from state.paths import manifest_path
@@ -231,7 +231,7 @@ def export_model(
     rec = latest.records
     try:
         config = JobConfig.from_record(rec["config"])
-        fp = cfgmod.fingerprint(rec["config"], rec["model_shapes"], rec.get("identity"))
+        fp = fingerprint(rec["config"], rec["model_shapes"], rec.get("identity"))
         acc = rec["accountant"]
         method = AccountingMethod(acc.get("method", "pld"))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:

@@ -12,10 +12,10 @@ import math
 from typing import Any
 
 from cocoon_ckpt.dp.accounting.amplified import epsilon_of_run
+from cocoon_ckpt.format.fingerprint import fingerprint
 from cocoon_ckpt.format.metrics import METRICS_RECORD, MetricsError, Series, read_metrics
 from cocoon_ckpt.tools.audit.report import AuditReport
 from cocoon_ckpt.tools.bounds import VersionBounds
-from cocoon_ckpt.train import config as cfgmod
 from state import Manifest
 
 __all__ = ["check_metrics", "check_records", "config_epsilon"]
@@ -61,7 +61,7 @@ def check_records(
         try:
             cfg = rec["config"]
             dp = cfg["dp"]
-            fp = cfgmod.fingerprint(cfg, rec["model_shapes"], rec.get("identity"))
+            fp = fingerprint(cfg, rec["model_shapes"], rec.get("identity"))
         except (KeyError, TypeError) as exc:
             report.add("fingerprint", f"config record is missing or malformed ({exc})", v)
             continue
