@@ -372,9 +372,19 @@ def test_an_assembly_missing_a_tile_is_refused(tmp_path: Path) -> None:
     assembly.close()
 
 
-def test_refusals_name_the_field() -> None:
+def test_refusals_name_the_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="csc_window_steps=0"):
         EmbeddingConfig(mode="coalesced", threat_model="final_model", csc_window_steps=0)
+    # a malformed request: exit 2, one line naming the flag and the fix, nothing written
+    coalesced = ["--embedding", "coalesced", "--threat-model", "final_model"]
+    for extra, says in (
+        (["--csc-window-steps", "4"], "--csc-window-steps 4: .* give it with --embedding"),
+        ([*coalesced, "--csc-window-steps", "0"], "csc_window_steps=0: give 1 or more"),
+    ):
+        store = tmp_path / "never.zarr"
+        assert main(["train", "--example", "dlrm", "--store", str(store), *extra]) == 2
+        assert re.search(says, capsys.readouterr().err)
+        assert not store.exists()
 
 
 # -- whole jobs ------------------------------------------------------------------------
