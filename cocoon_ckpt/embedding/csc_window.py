@@ -474,9 +474,12 @@ class _ArrayReader:
         """`size` bytes of chunk i's payload from its row `row`."""
         backend = self.store.backend
         offset = row * self.row_bytes
-        if not backend.local:
-            data = backend.read_bytes(self._rel(i))
-            return bytes(data[offset : offset + size])
+        if not backend.local:  # a ranged read (an HTTP Range GET on an object store)
+            end = offset + size
+            data = backend.fs.cat_file(backend.path(self._rel(i)), start=offset, end=end)
+            if len(data) != size:
+                raise self._corrupt(f"chunk {i} is short")
+            return bytes(data)
         path = backend.path(self._rel(i))
         if not os.path.realpath(path).startswith(os.path.realpath(backend.root) + os.sep):
             raise self._corrupt(f"chunk {i} resolves outside the store")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -121,6 +122,26 @@ def test_every_column_is_the_whole_cscs(tmp_path: Path, window: int, like: bool)
     finally:
         windows.close()
     assert windows.resident_bytes == 0
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_windows_of_an_object_store_are_ranged_reads() -> None:
+    """On fsspec storage (memory:// here, as s3:// would be) a window reads its byte
+    ranges of the chunks, checked as on local disk."""
+    csc = _csc()
+    url = f"memory://csc-window-{secrets.token_hex(4)}"
+    store = Store.open(url)
+    store.acquire_lease()
+    txn = store.begin(1)
+    for k, arr in csc.arrays().items():
+        txn.reference(emb_name(PARAM, f"csc/{k}"), store.put_shared(f"t/{k}", arr))
+    txn.commit()
+    version = store.latest()
+    assert version is not None and not store.backend.local
+    windows = CscWindows(StoredCSC.of_version(version, PARAM), 3)
+    steps = list(range(STEPS + 1))
+    assert _columns(windows, steps) == _columns(csc, steps)
+    windows.close()
 
 
 @pytest.mark.usefixtures("small_chunks")
