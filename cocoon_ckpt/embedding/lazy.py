@@ -7,15 +7,22 @@ counter-based generator, at counter (row, segment, block): a pure function of th
 the row and which of the row's gaps it is, so a resume redraws the same values. This
 equals per-step noise in distribution, not in value. At b > 1 the per-step noise is
 correlated and the shortcut is wrong: that is what the precompute is for.
+
+Under torch.distributed (`RowShares`) the draws of each call are split evenly by rank:
+a rank draws its contiguous share of the rows, and one all-gather gives every rank all of
+them. A row's draw depends on nothing but its counter, so the gathered updates are the
+one process's bit for bit, on any world size.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
-__all__ = ["LazyNoise", "philox_normal"]
+__all__ = ["LazyNoise", "RowShares", "philox_normal", "share_counts"]
 
 _M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
 _W0, _W1 = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)
@@ -82,6 +89,27 @@ def philox_normal(
     return out.reshape(rows.size, per * 4)[:, :dim]
 
 
+class RowShares(Protocol):
+    """The ranks that draw a table's lazy noise together (`train.distributed.DistContext`)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world(self) -> int: ...
+
+    def gather_rows(self, part: np.ndarray, counts: Sequence[int]) -> np.ndarray:
+        """(sum(counts), dim): every rank's `part` ((counts[rank], dim)), in rank order,
+        on every rank. A collective: every rank calls it with the same `counts`."""
+        ...
+
+
+def share_counts(k: int, world: int) -> list[int]:
+    """The rows of a k-row draw each rank takes: contiguous, as even as they split
+    (np.array_split's sizes)."""
+    return [k // world + (1 if r < k % world else 0) for r in range(world)]
+
+
 class LazyNoise:
     """The lazy b = 1 updates of one table.
 
@@ -91,6 +119,7 @@ class LazyNoise:
         std: sigma * clip (c_0 = 1 at b = 1).
         factors: (n,) float64, lr_s / B of every step.
         dtype: float32 or float64 draws (the table's dtype).
+        ranks: the ranks that share the draws (None: this process draws them all).
     """
 
     def __init__(
@@ -100,6 +129,7 @@ class LazyNoise:
         std: float,
         factors: np.ndarray,
         dtype: type[np.floating] = np.float64,
+        ranks: RowShares | None = None,
     ) -> None:
         d = hashlib.blake2b(key, digest_size=8, person=b"cocoon-lazy").digest()
         self._key = (int.from_bytes(d[:4], "little"), int.from_bytes(d[4:], "little"))
@@ -107,6 +137,7 @@ class LazyNoise:
         self.std = float(std)
         self.dtype = dtype
         self._f2 = np.concatenate([[0.0], np.cumsum(np.asarray(factors, np.float64) ** 2)])
+        self.ranks = ranks
 
     def __repr__(self) -> str:
         return f"LazyNoise(dim={self.dim}, std={self.std}, key=<secret>)"
@@ -116,6 +147,9 @@ class LazyNoise:
     ) -> np.ndarray:
         """(k, dim) in `dtype`: each row's update for its gap [start, stop), segment-keyed.
 
+        With `ranks`, a collective: each rank draws its share of the k rows
+        (`share_counts`) and every rank returns all k, the same bits as one process.
+
         Args:
             rows: table rows.
             segments: each row's gap index (0 = before its first read).
@@ -124,6 +158,14 @@ class LazyNoise:
         """
         var = self._f2[np.asarray(stop)] - self._f2[np.asarray(start)]
         scale = (-self.std * np.sqrt(np.maximum(var, 0.0))).astype(self.dtype)
-        out = philox_normal(self._key, rows, segments, self.dim, self.dtype)
-        out *= scale[:, None]
-        return out
+        rows, segments = np.asarray(rows), np.asarray(segments)
+        if self.ranks is None or self.ranks.world == 1:
+            out = philox_normal(self._key, rows, segments, self.dim, self.dtype)
+            out *= scale[:, None]
+            return out
+        counts = share_counts(rows.size, self.ranks.world)
+        lo = sum(counts[: self.ranks.rank])
+        hi = lo + counts[self.ranks.rank]
+        part = philox_normal(self._key, rows[lo:hi], segments[lo:hi], self.dim, self.dtype)
+        part *= scale[lo:hi, None]
+        return self.ranks.gather_rows(part, counts)

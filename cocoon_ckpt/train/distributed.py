@@ -8,6 +8,12 @@ history, draws only its slice of fresh noise (I1) and computes its slice of w_t;
 all-gather per step gives every rank the whole w_t. With the fixed-order GEMV kernel
 the noise is bit-identical to a single process's for any world size.
 
+Embedding tables under lazy noise (b = 1) are data-parallel too: every rank holds the
+whole table, the per-row clipped gradients of its examples are gathered and added in
+rank order (`sum_rows_in_rank_order`), and each lazy draw is split by rank
+(`embedding.lazy.RowShares`, `gather_rows`). Coalesced and dense table noise do not
+shard yet and are refused on more than one rank.
+
 The process group is torch.distributed's own (gloo on CPU, NCCL on GPU), initialised
 from torchrun's environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`).
 """
@@ -15,7 +21,7 @@ from torchrun's environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`)
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -24,10 +30,12 @@ import torch
 import torch.distributed as dist
 
 from cocoon_ckpt.dp.noise import BLOCK
+from cocoon_ckpt.embedding.config import EmbeddingConfig, TableMode
+from cocoon_ckpt.embedding.one_thread import one_thread
 from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.train.rank_failure import packed, unpacked
 
-__all__ = ["DistContext", "check_distributed", "shard_bounds"]
+__all__ = ["DistContext", "check_distributed", "lazy_on_ranks", "shard_bounds"]
 
 T = TypeVar("T")
 
@@ -46,24 +54,40 @@ def shard_bounds(dim: int, world: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:], strict=True))
 
 
-def check_distributed(embedding: object | None, world: int) -> None:
+def lazy_on_ranks(embedding: EmbeddingConfig, bands: int) -> bool:
+    """Whether every table of `embedding` takes lazy noise (the path that shards):
+    b = 1, `final_model`, and mode lazy or auto (`EmbeddingNoise` chooses lazy then)."""
+    return (
+        bands == 1
+        and embedding.coalescing_allowed
+        and embedding.mode in (TableMode.LAZY, TableMode.AUTO)
+    )
+
+
+def check_distributed(embedding: EmbeddingConfig | None, world: int, bands: int) -> None:
     """Refuse what a job of `world` ranks cannot run, before anything is written.
 
     Every mechanism shards (BandMF's ring and BLT's buffers alike: both a `RingHistory`
-    of the shard's columns, the fresh noise a pure function of (key, t, block)); the
-    embedding tables' noise engines do not.
+    of the shard's columns, the fresh noise a pure function of (key, t, block)), and so
+    does the embedding tables' lazy noise (b = 1); their dense and coalesced noise do
+    not.
 
     Args:
         embedding: the job's `EmbeddingConfig`, or None.
         world: the number of ranks.
+        bands: the job's b (`DPConfig.bands`).
 
     Raises:
-        ConfigError: embedding noise with more than one rank.
+        ConfigError: embedding noise other than lazy with more than one rank.
     """
-    if world > 1 and embedding is not None:
+    if world > 1 and embedding is not None and not lazy_on_ranks(embedding, bands):
         raise ConfigError(
-            f"embedding noise with torch.distributed (WORLD_SIZE={world}) is not supported: "
-            "run the embedding job in one process, or drop EmbeddingConfig (--embedding)"
+            f"embedding noise with torch.distributed (WORLD_SIZE={world}) is supported for "
+            f"lazy noise only (bands=1, threat_model='final_model', mode lazy or auto), "
+            f"not mode={embedding.mode.value!r} with bands={bands} and "
+            f"threat_model={embedding.threat_model!r}: run the embedding job in one "
+            "process, use --embedding lazy --bands 1 --threat-model final_model, or drop "
+            "EmbeddingConfig (--embedding)"
         )
 
 
@@ -112,6 +136,35 @@ class DistContext:
         out = parts[0].clone()
         for p in parts[1:]:
             out += p
+        return out
+
+    def gather_rows(self, part: np.ndarray, counts: Sequence[int]) -> np.ndarray:
+        """(sum(counts), dim): every rank's `part` ((counts[rank], dim)) in rank order,
+        on every rank (one all-gather, padded to the largest share)."""
+        width = max(counts)
+        buf = torch.zeros((width, *part.shape[1:]), dtype=torch.from_numpy(part[:0]).dtype)
+        buf[: part.shape[0]] = torch.from_numpy(part)
+        parts = [torch.empty_like(buf) for _ in range(self.world)]
+        dist.all_gather(parts, buf)
+        return torch.cat([p[:c] for p, c in zip(parts, counts, strict=True)]).numpy()
+
+    def sum_rows_in_rank_order(
+        self, grads: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each table's (unique rows (k,), summed clipped row gradients (k, dim)) over
+        every rank's examples, from each rank's own: the ranks' sums of a row added in
+        rank order (one association on every rank, so the tables stay identical)."""
+        mine = [(rows.cpu().numpy(), vals.cpu().numpy()) for rows, vals in grads]
+        gathered = self.all_gather_object(mine)
+        out = []
+        for i, (rows, vals) in enumerate(grads):
+            every = torch.from_numpy(np.concatenate([g[i][0] for g in gathered]))
+            sums = torch.from_numpy(np.concatenate([g[i][1] for g in gathered]))
+            with one_thread():  # a batch of rows (one_thread says why)
+                uniq, inv = torch.unique(every, return_inverse=True)
+                acc = torch.zeros(uniq.numel(), *sums.shape[1:], dtype=sums.dtype)
+                acc.index_add_(0, inv, sums)  # in index order: rank order
+            out.append((uniq.to(rows.device), acc.to(vals.device)))
         return out
 
     def gather_noise(self, shard: torch.Tensor, dim: int) -> torch.Tensor:

@@ -341,7 +341,7 @@ def parts_on_ranks(
     built: list[CheckedParts] = []
 
     def build() -> dict[str, str]:
-        check_distributed(config.embedding, dist.world)
+        check_distributed(config.embedding, dist.world, config.dp.bands)
         built.append(checked_parts(config, builder))
         return parts_values(config, built[0].parts)
 

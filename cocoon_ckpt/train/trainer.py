@@ -111,7 +111,7 @@ class DPTrainer:
     Raises:
         ConfigError: the data's size is not `config.dataset_size`; a scheduler that steps
             on a metric (`check_scheduler`); embedding noise with
-            `noise_rng` other than default, or on more than one rank
+            `noise_rng` other than default, or other than lazy on more than one rank
             (`train.distributed.check_distributed`; one rank runs it as one process).
         ValueError: embedding noise is configured with no table named, or
             `grad_threads` is not an int >= 1.
@@ -167,7 +167,7 @@ class DPTrainer:
         self.dataset = self.data.dataset
         self.noise_rng = as_noise_rng(config.noise_rng)
         if dist is not None:
-            check_distributed(embedding, dist.world)
+            check_distributed(embedding, dist.world, config.bands)
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -233,6 +233,7 @@ class DPTrainer:
                 config,
                 table_plans,
                 table_tiers,
+                dist,
             )
 
     @property
@@ -328,6 +329,8 @@ class DPTrainer:
         if self.dist is not None:
             # partial sums added in rank order; every rank's noise slice to every rank
             summed = self.dist.sum_in_rank_order(summed)
+            if self.embedding is not None:
+                self._table_grads = self.dist.sum_rows_in_rank_order(self._table_grads)
             w = self.dist.gather_noise(w, self.dim)
             sums = self.dist.sum_in_rank_order(
                 torch.tensor(
