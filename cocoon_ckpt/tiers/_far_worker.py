@@ -75,8 +75,13 @@ def main() -> None:
                 m = np.ones(slots, dtype=dt)
                 o = np.empty(width, dtype=dt)
                 stream_gemv(fd, m, slots, width, o)  # warm
+                os.fdatasync(fd)
                 times = []
                 for _ in range(int(cmd["reps"])):
+                    # from the file's medium, not the page cache: a far file on disk is
+                    # planned at the disk's speed (a ring beyond RAM cannot stay cached);
+                    # on tmpfs the pages are the memory and stay
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                     t0 = time.perf_counter()
                     stream_gemv(fd, m, slots, width, o)
                     _link_wait(
