@@ -72,13 +72,39 @@ def _halve_sigma(doc: dict[str, Any]) -> str:
 
 @pytest.mark.parametrize("keep_macs", [True, False], ids=["macs-kept", "macs-stripped"])
 def test_a_halved_sigma_is_refused_on_resume(crashed: tuple[Path, Path], keep_macs: bool) -> None:
+    # The start reads the key before any version, so the edit is refused as a forgery
+    # before the target check could read the edited sigma (the check behind the MACs
+    # has its own test below).
     store, key = crashed
     _forge(store, 2, keep_macs, _halve_sigma)
     before = tree(store)
     run = _cli(*TRAIN, "--store", str(store), "--key-file", str(key))
     assert run.returncode == 1, run.stderr
     line = run.stderr.strip().splitlines()[-1]
-    assert "(version 2): the stored noise_multiplier=" in line
+    assert "version 2 of" in line
+    if keep_macs:
+        assert "record 'config'" in line and "(forged)" in line
+    else:  # version 1 is sealed: version 2's MACs were certainly stripped
+        assert "carries no MAC" in line
+    assert "noise_multiplier" not in line
+    assert tree(store) == before
+
+
+def test_a_halved_sigma_resealed_by_the_keys_holder_misses_the_target(
+    crashed: tuple[Path, Path],
+) -> None:
+    # Behind the MACs: a sigma the key's holder (or a bug) stored that does not meet
+    # the job's target epsilon is refused by the target check, by its numbers.
+    store, key = crashed
+    path = store / manifest_path(2)
+    doc = json.loads(path.read_bytes())
+    _halve_sigma(doc)
+    path.write_bytes(reseal(doc, key))
+    before = tree(store)
+    run = _cli(*TRAIN, "--store", str(store), "--key-file", str(key))
+    assert run.returncode == 1, run.stderr
+    line = run.stderr.strip().splitlines()[-1]
+    assert "the stored noise_multiplier=" in line and "version 2" in line
     assert "does not meet the job's target_epsilon=4.0 (it gives epsilon=" in line
     assert tree(store) == before
 
