@@ -1,0 +1,121 @@
+"""Where a checkpoint's stall and the first step's extra time go, as same-run ratios.
+
+    python bench/stall.py [--dim 8000000] [--bands 8] [--every 4] [--rounds 4]
+
+One trainer (the mlp example at ~`--dim` parameters), steps timed one by one:
+- first: the first step of a fresh trainer against the median steady step;
+- per round, in an order that alternates round by round, the step right after
+  - `plain`: nothing,
+  - `snap`: a snapshot taken and dropped (its copies, no write),
+  - `async`: an asynchronous checkpoint (snapshot, then the write in the background),
+  - `async-nice`: the same with the writer thread at nice 10 (`--nice-writer`
+    measures what lowering it would buy);
+  each against `plain`, with the snapshot's own time on the training thread.
+Every ratio is a median over `--rounds` rounds of this run. Prints the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+from cocoon_ckpt import DPConfig, JobConfig
+from cocoon_ckpt.format.metrics import TrainingMetrics
+from cocoon_ckpt.train.checkpoint import Checkpointer, take_snapshot
+from cocoon_ckpt.train.job_records import job_records
+from cocoon_ckpt.train.runner import build_trainer
+from state import Store
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
+    p.add_argument("--dim", type=int, default=8_000_000, help="approximate model parameters")
+    p.add_argument("--bands", type=int, default=8)
+    p.add_argument("--every", type=int, default=4, help="steps between checkpoints (k)")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
+    args = p.parse_args()
+    root = tempfile.mkdtemp(dir=args.dir)
+    try:
+        run(args, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, root: str) -> None:
+    print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    cfg = JobConfig(
+        job="example:mlp",
+        dp=DPConfig(
+            steps=10_000, batch_size=16, dataset_size=4096, noise_multiplier=1.0, bands=args.bands
+        ),
+        options={"hidden": max(1, args.dim // 25)},
+    )
+    trainer = build_trainer(cfg, bytes(32))
+    first = timed(trainer.train_step)
+    steady = [timed(trainer.train_step) for _ in range(args.bands + 1)]
+    print(
+        f"dim {trainer.dim}: first step {first * 1e3:.0f} ms, steady {statistics.median(steady) * 1e3:.0f}"
+        f" ms, ratio {first / statistics.median(steady):.2f}"
+    )
+    records: dict[str, object] = dict(job_records(cfg, trainer, bytes(32), None))
+    records.setdefault("metrics", TrainingMetrics().to_record(0))
+    stores = {}
+    for mode in ("async", "async-nice"):
+        store = Store.open(os.path.join(root, f"{mode}.zarr"))
+        store.acquire_lease()
+        ck = Checkpointer(store, async_write=True, keep_last=2)
+        if mode == "async-nice":
+            ck._pool.submit(_nice).result()  # the writer's one thread, lowered
+        stores[mode] = ck
+    modes = ["plain", "snap", "async", "async-nice"]
+    after: dict[str, list[float]] = {m: [] for m in modes}
+    snap_t: list[float] = []
+    write_t: dict[str, list[float]] = {"async": [], "async-nice": []}
+    for r in range(args.rounds):
+        for mode in modes if r % 2 == 0 else modes[::-1]:
+            for _ in range(args.every - 1):  # the ring moves on as a job's would
+                trainer.train_step()
+            if mode == "snap":
+                parent = stores["async"].last  # the copies an async checkpoint makes
+                snap_t.append(timed(lambda p=parent: take_snapshot(trainer, p, {})))  # type: ignore[misc]
+            elif mode != "plain":
+                ck = stores[mode]
+                t0 = time.perf_counter()
+                ck.save(trainer, dict(records))
+            after[mode].append(timed(trainer.train_step))
+            if mode.startswith("async"):
+                stores[mode].wait()
+                write_t[mode].append(time.perf_counter() - t0)
+    for ck in stores.values():
+        ck.close()
+    base = statistics.median(after["plain"])
+    print(f"step after nothing: {base * 1e3:.0f} ms (median of {args.rounds})")
+    for mode in modes[1:]:
+        m = statistics.median(after[mode])
+        print(f"step after {mode}: {m * 1e3:.0f} ms, ratio {m / base:.2f}")
+    print(f"snapshot on the training thread: {statistics.median(snap_t) * 1e3:.0f} ms")
+    for mode, ts in write_t.items():
+        print(f"{mode}: save to committed {statistics.median(ts) * 1e3:.0f} ms")
+    print(f"load average at end: {os.getloadavg()[0]:.1f}")
+
+
+def _nice() -> None:
+    import threading
+
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+
+
+if __name__ == "__main__":
+    main()
