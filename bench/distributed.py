@@ -1,7 +1,10 @@
 """Sharded noise history on torch.distributed: per-rank history bytes and noise step
-time for 1, 2 and 4 ranks, side by side in one run.
+time for 1, 2 and 4 ranks, side by side in one run; with --embedding, lazy embedding
+noise (b = 1) drawn by 1 and 2 ranks instead.
 
     python bench/distributed.py [--dim 4194304] [--bands 16] [--reps 7] [--worlds 1 2 4]
+    python bench/distributed.py --embedding [--rows 1000000] [--emb-dim 16]
+        [--step-rows 8192] [--reps 7] [--worlds 1 2]
 
 Each world size runs as real processes (gloo on CPU, NCCL where CUDA is present) on
 this machine. A rank keeps only its shard of the (b-1) x dim history, draws its slice of
@@ -11,11 +14,19 @@ ratio to one process (target 1/world), the median noise step (slowest rank) with
 without the all-gather, and whether the gathered w_t equals the one-process w_t bit for
 bit. On a 2-core machine, 4 ranks share 2 cores: the time column then measures
 contention, not scaling; the bytes column is what sharding is for.
+
+--embedding: one float32 table's lazy noise (`embedding.lazy.LazyNoise`, the draws of
+each call split evenly by rank, then one all-gather): the median time of a step's draw
+(--step-rows distinct rows, each with its own gap) and of the tails (every row, after
+the last step), slowest rank, with and without the all-gather; the ratio to one process
+measured in the same run; and whether the gathered updates equal one process's bit for
+bit.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import socket
@@ -30,6 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cocoon_ckpt import BandMF, BandMFNoise
+from cocoon_ckpt.embedding.lazy import LazyNoise, share_counts
 from cocoon_ckpt.train.distributed import DistContext
 
 KEY = bytes(range(32))
@@ -74,6 +86,91 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     dist.destroy_process_group()
 
 
+def _lazy_rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    os.environ.update(
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    )
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    ctx = DistContext(rank, world)
+    steps = 1000
+    factors = np.full(steps, 0.01, dtype=np.float64)
+    lazy = LazyNoise(KEY, args.emb_dim, 1.0, factors, np.float32, ranks=ctx)
+    rng = np.random.default_rng(0)  # the same rows, gaps and segments on every rank
+    rows = np.sort(rng.choice(args.rows, size=args.step_rows, replace=False)).astype(np.int64)
+    seg = rng.integers(1, 50, size=rows.size)
+    start = rng.integers(0, steps - 1, size=rows.size)
+    every = np.arange(args.rows, dtype=np.int64)
+    tail_seg = rng.integers(0, 50, size=every.size)
+    tail_start = rng.integers(0, steps, size=every.size)
+    times: dict[str, list[float]] = {"step_local": [], "step": [], "tail_local": [], "tail": []}
+    digests = {}
+    for name, call in (
+        ("step", lambda: lazy.updates(rows, seg, start, steps - 1)),
+        ("tail", lambda: lazy.updates(every, tail_seg, tail_start, steps)),
+    ):
+        call()  # warm: the first call pays for its allocations
+        for _ in range(args.reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            got = call()
+            t2 = time.perf_counter()
+            times[name].append(t2 - t0)
+        # the draw alone: this rank's share, no collective
+        k = rows.size if name == "step" else every.size
+        counts = share_counts(k, world)
+        lo = sum(counts[:rank])
+        local = LazyNoise(KEY, args.emb_dim, 1.0, factors, np.float32)
+        r, sg, st = (rows, seg, start) if name == "step" else (every, tail_seg, tail_start)
+        stop = steps - 1 if name == "step" else steps
+        for _ in range(args.reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            local.updates(
+                r[lo : lo + counts[rank]],
+                sg[lo : lo + counts[rank]],
+                st[lo : lo + counts[rank]],
+                stop,
+            )
+            times[f"{name}_local"].append(time.perf_counter() - t0)
+        digests[f"{name}_sha"] = hashlib.sha256(np.ascontiguousarray(got).tobytes()).hexdigest()
+    Path(out, f"{world}-{rank}.json").write_text(
+        json.dumps({**{k: statistics.median(v) for k, v in times.items()}, **digests})
+    )
+    dist.destroy_process_group()
+
+
+def _embedding(args: argparse.Namespace) -> None:
+    table = args.rows * args.emb_dim * 4
+    print(
+        f"# lazy noise (b = 1) of one float32 table: {args.rows:,} rows x {args.emb_dim} "
+        f"({table / 2**20:.0f} MiB), {args.step_rows:,} rows a step; {os.cpu_count()} cores; "
+        f"gloo; median of {args.reps}, slowest rank"
+    )
+    print(
+        "world  step draw (local / gathered)   ÷ 1 rank   tails (local / gathered)      "
+        "÷ 1 rank   updates vs 1 rank"
+    )
+    base: dict[str, float] = {}
+    want: dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as out:
+        for world in args.worlds:
+            mp.spawn(_lazy_rank, args=(world, _port(), args, out), nprocs=world, join=True)
+            recs = [json.loads(Path(out, f"{world}-{r}.json").read_text()) for r in range(world)]
+            worst = {
+                k: max(r[k] for r in recs) for k in ("step_local", "step", "tail_local", "tail")
+            }
+            base = base or worst
+            want = want or {k: recs[0][k] for k in ("step_sha", "tail_sha")}
+            same = all(r[k] == want[k] for r in recs for k in want)
+            print(
+                f"{world:>5}  {worst['step_local'] * 1e3:8.1f} ms / {worst['step'] * 1e3:8.1f} ms"
+                f"   {worst['step'] / base['step']:6.2f}   "
+                f"{worst['tail_local'] * 1e3:8.0f} ms / {worst['tail'] * 1e3:8.0f} ms"
+                f"   {worst['tail'] / base['tail']:6.2f}   "
+                f"{'bit-identical' if same else 'DIFFERS'}"
+            )
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -85,8 +182,17 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=4 * 1024 * 1024)
     ap.add_argument("--bands", type=int, default=16)
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--worlds", type=int, nargs="+", default=None)
+    ap.add_argument("--embedding", action="store_true", help="lazy embedding noise instead")
+    ap.add_argument("--rows", type=int, default=1_000_000, help="--embedding: table rows")
+    ap.add_argument("--emb-dim", type=int, default=16, help="--embedding: table width")
+    ap.add_argument("--step-rows", type=int, default=8192, help="--embedding: rows a step")
     args = ap.parse_args()
+    if args.embedding:
+        args.worlds = args.worlds or [1, 2]
+        _embedding(args)
+        return
+    args.worlds = args.worlds or [1, 2, 4]
     print(
         f"# dim {args.dim:,}, b = {args.bands}, history {(args.bands - 1) * args.dim * 4 / 2**20:.0f}"
         f" MiB float32 in one process; {os.cpu_count()} cores; gloo"
