@@ -7,13 +7,11 @@ import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
-import cocoon_ckpt
 from cocoon_ckpt._state_dict import uncompiled
 from cocoon_ckpt.dp.sampler import CyclicPoissonSampler
 from cocoon_ckpt.embedding.config import EmbeddingConfig
@@ -195,7 +193,7 @@ def check_first_batch(config: JobConfig, parts: JobParts) -> None:
     try:
         batch = data.draw(sampler, 0, None)
     except (TypeError, ValueError) as exc:
-        if not _raised_in(exc, torch, cocoon_ckpt):
+        if not _raised_in(exc, os.path.dirname(torch.__file__ or ""), _PACKAGE):
             raise  # the user's __getitem__ or collate_fn failed: their error, their line
         raise ConfigError(f"{what}: {exc}") from None
     if len(batch.tensors) < 2:
@@ -206,15 +204,20 @@ def check_first_batch(config: JobConfig, parts: JobParts) -> None:
         )
 
 
-def _raised_in(exc: BaseException, *packages: ModuleType) -> bool:
-    """Whether the innermost frame of `exc`'s traceback is in one of `packages`."""
+# cocoon_ckpt's own folder, found from this file rather than by importing the package
+# (train sits below the package's __init__, which imports train)
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _raised_in(exc: BaseException, *folders: str) -> bool:
+    """Whether the innermost frame of `exc`'s traceback is in one of `folders`."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     if tb is None:
         return False
     where = os.path.realpath(tb.tb_frame.f_code.co_filename)
-    roots = (os.path.realpath(os.path.dirname(p.__file__ or "")) + os.sep for p in packages)
+    roots = (os.path.realpath(f) + os.sep for f in folders)
     return any(where.startswith(r) for r in roots)
 
 
