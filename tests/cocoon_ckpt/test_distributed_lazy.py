@@ -53,10 +53,10 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-def _train_args(store: Path, key: Path) -> list[str]:
+def _train_args(store: Path, key: Path, mode: str = "lazy", bands: int = 1) -> list[str]:
     return [
         *("train", "--example", "dlrm", "--store", str(store), "--key-file", str(key)),
-        *("--steps", str(STEPS), "--bands", "1", "--embedding", "lazy"),
+        *("--steps", str(STEPS), "--bands", str(bands), "--embedding", mode),
         *("--threat-model", "final_model", "--checkpoint-every", "4", "--no-progress"),
     ]
 
@@ -67,9 +67,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(world: int, store: Path, key: Path, logs: Path, crash_at: str | None = None) -> list[int]:
+def _run(
+    world: int,
+    store: Path,
+    key: Path,
+    logs: Path,
+    crash_at: str | None = None,
+    args: list[str] | None = None,
+) -> list[int]:
     """The job on `world` ranks (one process when 1), started with the environment
-    torchrun gives them; rank r's draws logged to `logs`-r.jsonl; their exit codes."""
+    torchrun gives them; rank r's draws logged to `logs`-r.jsonl, its stderr to
+    `logs`-r.err; their exit codes. `args`: other `train` arguments, whose failure is
+    expected (as with `crash_at`)."""
     port = str(_free_port())
     procs = []
     for rank in range(world):
@@ -80,17 +89,14 @@ def _run(world: int, store: Path, key: Path, logs: Path, crash_at: str | None = 
             env["LOCAL_WORLD_SIZE"] = str(world)
         if crash_at is not None:
             env["COCOON_CRASH_AT"] = crash_at
-        log = Path(f"{logs}-{rank}.jsonl")
-        cmd = [sys.executable, "-c", _RECORDING, str(log), *_train_args(store, key)]
-        procs.append(
-            subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        )
-    codes = []
-    for p in procs:
-        _, err = p.communicate(timeout=600)
-        if crash_at is None and p.returncode != 0:
-            raise AssertionError(err.decode()[-3000:])
-        codes.append(p.returncode)
+        train = args if args is not None else _train_args(store, key)
+        cmd = [sys.executable, "-c", _RECORDING, f"{logs}-{rank}.jsonl", *train]
+        with open(f"{logs}-{rank}.err", "wb") as err:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err))
+    codes = [p.wait(timeout=600) for p in procs]
+    if crash_at is None and args is None and any(codes):
+        errs = [Path(f"{logs}-{r}.err").read_text()[-3000:] for r in range(world)]
+        raise AssertionError(f"exit codes {codes}:\n" + "\n".join(errs))
     return codes
 
 
@@ -181,3 +187,16 @@ def test_table_noise_other_than_lazy_is_refused_on_ranks(
     lazy = EmbeddingConfig(mode=TableMode.LAZY, threat_model="final_model")
     check_distributed(lazy, 2, 1)
     check_distributed(EmbeddingConfig(threat_model="final_model"), 2, 1)  # auto: lazy at b=1
+
+
+@pytest.mark.slow
+def test_coalesced_noise_on_two_ranks_is_refused_and_writes_nothing(tmp_path: Path) -> None:
+    store, key = tmp_path / "run.zarr", tmp_path / "k"
+    logs = tmp_path / "c"
+    codes = _run(2, store, key, logs, args=_train_args(store, key, "coalesced", 4))
+    assert codes == [2, 2]  # a malformed request, on every rank
+    for rank in range(2):
+        err = Path(f"{logs}-{rank}.err").read_text()
+        lines = [ln for ln in err.splitlines() if "supported for lazy noise only" in ln]
+        assert len(lines) == 1 and "--embedding lazy --bands 1" in lines[0]
+    assert not store.exists() and not key.exists()
