@@ -157,6 +157,9 @@ def test_killed_on_two_ranks_resumes_on_another_world_size(runs: Path, world: in
     assert all(r == one[len(one) - len(r) :] for r in resumed)
     assert len(killed) + len(resumed[0]) > len(one)  # they overlap in steps 4-6
     _close(_latest(runs / "one.zarr"), _latest(store))
+    audit = [sys.executable, "-m", "cocoon_ckpt", "audit", str(store), "--key-file", str(key)]
+    done = subprocess.run([*audit, "--example", "dlrm"], env=ENV, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stdout.decode()[-2000:]  # every version verifies
 
 
 @pytest.mark.parametrize("world", [2, 3, 8])
