@@ -51,8 +51,9 @@ class RingHistory(Protocol):
         """Store w (width,) as ring slot `slot`."""
         ...
 
-    def read(self, slot: int) -> np.ndarray:
-        """A host copy of ring slot `slot`, (width,)."""
+    def read(self, slot: int, out: np.ndarray | None = None) -> np.ndarray:
+        """A host copy of ring slot `slot`, (width,): into `out` when given (a
+        checkpoint copies straight into its snapshot, no temporary), which is returned."""
         ...
 
     def gather(self) -> np.ndarray:
@@ -133,8 +134,12 @@ class HostRing:
             raise ValueError(f"ring slot values {w.shape}, the ring is ({self.width},) wide")
         self._array()[self._slot(slot)] = w
 
-    def read(self, slot: int) -> np.ndarray:
-        out: np.ndarray = self._array()[self._slot(slot)].copy()
+    def read(self, slot: int, out: np.ndarray | None = None) -> np.ndarray:
+        row = self._array()[self._slot(slot)]
+        if out is None:
+            copied: np.ndarray = row.copy()
+            return copied
+        out[...] = row
         return out
 
     def gather(self) -> np.ndarray:

@@ -161,7 +161,7 @@ def encode_slots(
         name = rows_name(run[0][0], run[-1][0])
         block = np.empty((len(run), history.width), dtype=history.dtype)
         for row, (step, slot) in enumerate(run):
-            block[row] = history.read(slot)
+            history.read(slot, out=block[row])  # straight into the snapshot
             entries[slot] = [slot, step, name, row, row_checksum(block[row])]
         arrays[name] = block
     for slot, step in held:

@@ -115,6 +115,10 @@ class Tier(ABC):
             return np.empty(0, dtype=self.dtype)
         return self._read_slot(slot)
 
+    def read_slot_into(self, slot: int, out: np.ndarray) -> None:
+        """Copy ring slot `slot` of this shard into `out`, a host array (width,)."""
+        out[...] = self.read_slot(slot)
+
     def pull(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
         """Columns [lo, hi) of every slot, (slots, hi - lo), copied to the host the way a
         baseline pulls them (across the link, for the far tier)."""

@@ -115,12 +115,13 @@ class TieredHistory:
             if hi > lo:
                 t.write_slot(slot, w[lo:hi])
 
-    def read(self, slot: int) -> np.ndarray:
-        """Ring slot `slot`, (width,), gathered to the host."""
-        out = np.empty(self.width, dtype=self.dtype)
+    def read(self, slot: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Ring slot `slot`, (width,), gathered to the host (into `out` when given)."""
+        if out is None:
+            out = np.empty(self.width, dtype=self.dtype)
         for t, lo, hi in self.ranges:
             if hi > lo:
-                out[lo:hi] = t.read_slot(slot)
+                t.read_slot_into(slot, out[lo:hi])
         return out
 
     def gather(self) -> np.ndarray:
