@@ -125,6 +125,8 @@ def encode_slots(
     borrowed: Mapping[int, SlotRef],
     arrays: dict[str, np.ndarray],
     references: dict[str, ArrayMeta],
+    *,
+    take: Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray] = np.empty,
 ) -> list[RingSlot]:
     """A ring's slot entries: slots the parent holds are borrowed (their arrays
     referenced), the new ones copied into one (k, width) array, rows in step order
@@ -141,6 +143,8 @@ def encode_slots(
         borrowed: `borrowable(parent, ...)` of this ring.
         arrays: the snapshot's new arrays; the new rows' array is added.
         references: the snapshot's borrowed arrays; the parent's are added.
+        take: allocates the new rows' arrays (a snapshot's reused buffers,
+            `SnapshotBuffers.take`; default fresh memory).
 
     Returns:
         The record's entries, in slot order.
@@ -159,7 +163,7 @@ def encode_slots(
     for lo in range(0, len(fresh), per_array):
         run = fresh[lo : lo + per_array]
         name = rows_name(run[0][0], run[-1][0])
-        block = np.empty((len(run), history.width), dtype=history.dtype)
+        block = take((len(run), history.width), history.dtype)
         for row, (step, slot) in enumerate(run):
             history.read(slot, out=block[row])  # straight into the snapshot
             entries[slot] = [slot, step, name, row, row_checksum(block[row])]

@@ -24,7 +24,7 @@ from typing import Any
 
 from cocoon_ckpt.dp.accounting.accountant import Accountant
 from cocoon_ckpt.format.codec import encode
-from cocoon_ckpt.format.snapshot import Snapshot
+from cocoon_ckpt.format.snapshot import BUFFERS, Snapshot
 from cocoon_ckpt.records import NoiseRecord, RankShard
 from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.job_records import check_job_records
@@ -151,6 +151,7 @@ class Checkpointer:
         self._background_retention = async_write and store.backend.capabilities.fsync
         self._retainer = _background("ckpt-retain", lowered=False)
         self._inflight: concurrent.futures.Future[Manifest] | None = None
+        self._writing: Snapshot | None = None  # the in-flight write's, recycled after
         self._retaining: concurrent.futures.Future[None] | None = None
         self.last: Manifest | None = None
         self.bytes_written = 0
@@ -176,11 +177,14 @@ class Checkpointer:
         snap = take_snapshot(trainer, self.last, extra_records)
         if trainer.dist is not None:
             self._write_coordinated(snap, trainer.dist)
+            snap.recycle()
         elif self.async_write:
             pool = self._bulk if snap.nbytes >= BULK_BYTES else self._pool
             self._inflight = pool.submit(self._write, snap)
+            self._writing = snap
         else:
             self._write(snap)
+            snap.recycle()
 
     def wait(self) -> Manifest | None:
         """Block until the in-flight checkpoint is committed and its retention done;
@@ -196,12 +200,16 @@ class Checkpointer:
         finally:
             for pool in (self._pool, self._bulk, self._retainer, self._accounting):
                 pool.shutdown(wait=True)
+            BUFFERS.clear()  # the job's buffers go with it
 
     def _wait_write(self) -> None:
         """Block until the in-flight checkpoint is committed; re-raise its error."""
         if self._inflight is not None:
             fut, self._inflight = self._inflight, None
             fut.result()
+            if self._writing is not None:  # written: its buffers serve the next snapshot
+                self._writing.recycle()
+                self._writing = None
 
     def _join_retention(self) -> None:
         """Block until the last commit's retention is done; re-raise its error. Called

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from cocoon_ckpt.format.ring_rows import borrowable, encode_slots, load_ring
-from cocoon_ckpt.format.snapshot import Encoded
+from cocoon_ckpt.format.snapshot import BUFFERS, Encoded
 from cocoon_ckpt.format.stored import records_of
 from cocoon_ckpt.format.trainer_state import NoiseLayout
 from cocoon_ckpt.layout import ring_rows_name
@@ -56,6 +56,7 @@ def encode(
         else {},
         arrays,
         references,
+        take=BUFFERS.take,
     )
     shard: ShardRecord = {"start": noise["start"], "stop": noise["stop"], "slots": slots}
     ring_slots = len(noise["slot_steps"])
