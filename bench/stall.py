@@ -6,7 +6,7 @@ One trainer (the mlp example at ~`--dim` parameters), steps timed one by one:
 - first: the first step of a fresh trainer against the median steady step;
 - per round, in an order that alternates round by round, the step right after
   - `plain`: nothing,
-  - `snap`: a snapshot taken and dropped (its copies, no write),
+  - `snap`: a snapshot taken and dropped (its copies into fresh memory, no write),
   - `async`: an asynchronous checkpoint (snapshot, then the write in the background),
   - `async-nice0`: the same with the writer thread at nice 0 (what a version below
     `BULK_BYTES` gets; the lowered writer is what lowering buys);
@@ -83,6 +83,7 @@ def run(args: argparse.Namespace, root: str) -> None:
     after: dict[str, list[float]] = {m: [] for m in modes}
     snap_t: list[float] = []
     write_t: dict[str, list[float]] = {"async": [], "async-nice0": []}
+    save_t: dict[str, list[float]] = {"async": [], "async-nice0": []}  # training thread
     for r in range(args.rounds):
         for mode in modes if r % 2 == 0 else modes[::-1]:
             for _ in range(args.every - 1):  # the ring moves on as a job's would
@@ -94,6 +95,7 @@ def run(args: argparse.Namespace, root: str) -> None:
                 ck = stores[mode]
                 t0 = time.perf_counter()
                 ck.save(trainer, dict(records))
+                save_t[mode].append(time.perf_counter() - t0)
             after[mode].append(timed(trainer.train_step))
             if mode.startswith("async"):
                 stores[mode].wait()
@@ -105,9 +107,12 @@ def run(args: argparse.Namespace, root: str) -> None:
     for mode in modes[1:]:
         m = statistics.median(after[mode])
         print(f"step after {mode}: {m * 1e3:.0f} ms, ratio {m / base:.2f}")
-    print(f"snapshot on the training thread: {statistics.median(snap_t) * 1e3:.0f} ms")
+    print(f"dropped snapshot (fresh buffers): {statistics.median(snap_t) * 1e3:.0f} ms")
     for mode, ts in write_t.items():
-        print(f"{mode}: save to committed {statistics.median(ts) * 1e3:.0f} ms")
+        print(
+            f"{mode}: save() on the training thread {statistics.median(save_t[mode]) * 1e3:.0f} ms"
+            f" (reused buffers), save to committed {statistics.median(ts) * 1e3:.0f} ms"
+        )
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
 
 
