@@ -198,7 +198,7 @@ def test_a_target_epsilon_that_needs_sigma_above_the_range_is_refused(
     argv = ["train", "--store", str(tmp_path / "s.zarr"), "--no-progress"]
     argv += ["--steps", str(2**31 - 1), "--bands", "1", "--dataset-size", "256"]
     argv += ["--batch-size", "256", "--target-epsilon", "0.001", "--accountant", "rdp"]
-    line = _refused_before_writing(tmp_path, argv, capsys, 1)
+    line = _refused_before_writing(tmp_path, argv, capsys, 2)  # a target no sigma meets: malformed
     assert "target_epsilon=0.001" in line and "above 1e+08" in line
 
 
@@ -257,7 +257,7 @@ def test_a_key_file_on_a_full_disk_is_removed_and_the_rerun_starts(
     store, key = tmp_path / "s.zarr", tmp_path / "noise.key"
     argv = ["train", "--store", str(store), "--key-file", str(key), *SMALL]
     monkeypatch.setattr(os, "write", _failing_write_to(key, os.write))
-    assert main(argv) == 1
+    assert main(argv) == 3  # the run failed (the disk), not refused
     assert "No space left on device" in _one_error_line(capsys)
     assert not key.exists()  # no 0-byte key to refuse the rerun
     monkeypatch.undo()
@@ -362,7 +362,7 @@ def test_a_non_finite_example_is_refused_at_its_step_naming_it(
     store, key = tmp_path / "s.zarr", tmp_path / "noise.key"
     argv = ["train", "--job", f"{job}:data", "--store", str(store), "--key-file", str(key)]
     argv += [*SMALL, "--job-option", f"nan=[{bad}]"] + (["--overlap-noise"] if overlap else [])
-    assert main(argv) == 1
+    assert main(argv) == 3  # a failed run: its data, not the store
     line = _one_error_line(capsys)
     assert line.startswith(f"cocoon-ckpt: error: step {step}: the per-sample gradient of ")
     assert f"dataset example {bad} is not finite" in line
@@ -373,7 +373,7 @@ def test_a_non_finite_example_is_refused_at_its_step_naming_it(
     assert all(bool(v.isfinite().all()) for v in model_state(latest).values())
     # a rerun meets the same example and commits nothing
     committed = _committed(store)
-    assert main(argv) == 1
+    assert main(argv) == 3
     assert f"dataset example {bad} is not finite" in _one_error_line(capsys)
     assert _committed(store) == committed
 
@@ -387,7 +387,7 @@ def test_every_non_finite_example_of_the_step_is_named(
     store = tmp_path / "s.zarr"
     argv = ["train", "--job", f"{job}:data", "--store", str(store), *SMALL]
     argv += ["--job-option", f"nan=[{nan}]", "--job-option", f"inf=[{inf}]"]
-    assert main(argv) == 1
+    assert main(argv) == 3
     line = _one_error_line(capsys)
     assert f"step 0: the per-sample gradient of dataset examples {nan}, {inf} is" in line
     assert not (store / "manifests").exists() or not any((store / "manifests").iterdir())
@@ -447,7 +447,7 @@ def test_a_non_finite_example_on_one_rank_is_refused_on_every_rank(
     argv = ["train", "--job", f"{job}:data", "--store", str(store), "--key-file"]
     argv += [str(tmp_path / "k"), *SMALL, "--job-option", f"nan=[{bad}]"]
     ranks = _ranks(2, argv)
-    assert [code for code, _ in ranks] == [1, 1], ranks
+    assert [code for code, _ in ranks] == [3, 3], ranks
     line = ranks[0][1]
     assert line.startswith("cocoon-ckpt: error: step 2: the per-sample gradient of ")
     assert f"dataset example {bad} is not finite" in line
