@@ -57,6 +57,13 @@ class SnapshotBuffers:
                     kept.setdefault((a.shape, a.dtype.str), []).append(a)
             self._free = kept
 
+    def trim(self) -> None:
+        """Drop the kept buffers a snapshot just taken did not use (a first, full
+        snapshot's rows beyond the k of the next ones), so they are not held while it
+        is written."""
+        with self._lock:
+            self._free = {}
+
     def clear(self) -> None:
         """Drop every kept buffer (handed-out ones are forgotten too)."""
         with self._lock:

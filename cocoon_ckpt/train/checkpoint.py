@@ -175,6 +175,7 @@ class Checkpointer:
             # inspect and audit need them): refuse before anything is written
             check_job_records(extra_records)
         snap = take_snapshot(trainer, self.last, extra_records)
+        BUFFERS.trim()
         if trainer.dist is not None:
             self._write_coordinated(snap, trainer.dist)
             snap.recycle()

@@ -34,6 +34,10 @@ def test_buffers_come_back_only_from_the_pool_and_only_the_last_snapshot_is_kept
     pool.recycle([b])
     pool.recycle([])  # a later snapshot's recycle drops what was kept before
     assert pool.take((3, 5), np.dtype(np.float32)) is not b
+    c = pool.take((2,), np.dtype(np.float32))
+    pool.recycle([c])
+    pool.trim()  # what a snapshot did not take is not held while it is written
+    assert pool.take((2,), np.dtype(np.float32)) is not c
 
 
 def _versions(url: str, checkpoints: int, taken: list[int]) -> list[dict[str, Any]]:
