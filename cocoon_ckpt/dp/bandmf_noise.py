@@ -20,9 +20,10 @@ from cocoon_ckpt.dp.noise import (
     AFTER_FRESH,
     AFTER_GEMV,
     BEFORE_FRESH,
-    KeyedNoise,
     NoiseRng,
     bandmf_step,
+    dense_solve,
+    keyed_shard,
 )
 from cocoon_ckpt.dp.noise_mechanism import replay_rows
 from cocoon_ckpt.dp.ring import HostRing, RingHistory, load_ring_into, shard_ring
@@ -74,11 +75,9 @@ class BandMFNoise:
         rng: NoiseRng | str = NoiseRng.DEFAULT,
     ) -> None:
         self.mechanism = mechanism
-        self.fresh_noise = KeyedNoise(key, dim, noise_std, dtype, rng)
-        self.start = start
-        self.stop = dim if stop is None else stop
-        if not 0 <= self.start <= self.stop <= dim:
-            raise ValueError(f"shard [{start}, {stop}) is outside [0, {dim})")
+        self.fresh_noise, self.start, self.stop = keyed_shard(
+            key, dim, noise_std, dtype, rng, start, stop
+        )
         self.dtype = self.fresh_noise.dtype
         self.t = 0
         self.history: RingHistory = shard_ring(
@@ -136,10 +135,7 @@ class BandMFNoise:
     def materialize(self, n: int) -> torch.Tensor:
         """Dense reference: all of w_0..w_{n-1} by a triangular solve of C W = Z,
         (n, width). Does not touch this instance's state."""
-        z = torch.stack([self.fresh_noise.fresh(t, self.start, self.stop) for t in range(n)])
-        c = torch.from_numpy(self.mechanism.matrix(n)).to(self.dtype)
-        w: torch.Tensor = torch.linalg.solve_triangular(c, z, upper=False)
-        return w
+        return dense_solve(self.fresh_noise, self.mechanism.matrix(n), self.start, self.stop)
 
     def regenerate_rows(
         self, coords: np.ndarray, rows: Iterable[tuple[int, int]]

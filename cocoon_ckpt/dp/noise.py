@@ -44,7 +44,9 @@ __all__ = [
     "NoiseRng",
     "bandmf_step",
     "check_generator_backend",
+    "dense_solve",
     "generator_backend",
+    "keyed_shard",
 ]
 
 # Blocks the secure generator transforms in one pass (8 MiB of words): bounds memory
@@ -163,6 +165,34 @@ class KeyedNoise:
             if self.std != 1.0:
                 seg = seg * self.std
             out[a - start : b - start] = torch.from_numpy(seg.astype(self.np_dtype))
+
+
+def keyed_shard(
+    key: bytes,
+    dim: int,
+    noise_std: float,
+    dtype: str | torch.dtype,
+    rng: NoiseRng | str,
+    start: int,
+    stop: int | None,
+) -> tuple[KeyedNoise, int, int]:
+    """A streaming noise's shard: its keyed fresh noise over `dim` and its bounds
+    [start, stop) (stop None: dim), refused outside [0, dim). Both mechanisms' noise
+    classes start from it."""
+    end = dim if stop is None else stop
+    if not 0 <= start <= end <= dim:
+        raise ValueError(f"shard [{start}, {stop}) is outside [0, {dim})")
+    return KeyedNoise(key, dim, noise_std, dtype, rng), start, end
+
+
+def dense_solve(fresh_noise: KeyedNoise, c: np.ndarray, start: int, stop: int) -> torch.Tensor:
+    """The dense reference of a strategy's noise on [start, stop): w_0..w_{n-1} by a
+    triangular solve of C W = Z, (n, stop - start), C the strategy's (n, n) matrix."""
+    n = c.shape[0]
+    z = torch.stack([fresh_noise.fresh(t, start, stop) for t in range(n)])
+    lower = torch.from_numpy(c).to(fresh_noise.dtype)
+    w: torch.Tensor = torch.linalg.solve_triangular(lower, z, upper=False)
+    return w
 
 
 def bandmf_step(

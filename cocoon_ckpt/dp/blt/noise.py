@@ -18,7 +18,14 @@ import torch
 
 from cocoon_ckpt._state_dict import check_state
 from cocoon_ckpt.dp.blt.strategy import BLT, blt_step
-from cocoon_ckpt.dp.noise import AFTER_FRESH, AFTER_GEMV, BEFORE_FRESH, KeyedNoise, NoiseRng
+from cocoon_ckpt.dp.noise import (
+    AFTER_FRESH,
+    AFTER_GEMV,
+    BEFORE_FRESH,
+    NoiseRng,
+    dense_solve,
+    keyed_shard,
+)
 from cocoon_ckpt.dp.noise_mechanism import replay_rows
 from cocoon_ckpt.dp.ring import HostRing, RingHistory, load_ring_into, shard_ring
 from cocoon_ckpt.errors import StoredStateError
@@ -70,11 +77,9 @@ class BLTNoise:
         rng: NoiseRng | str = NoiseRng.DEFAULT,
     ) -> None:
         self.blt = blt
-        self.fresh_noise = KeyedNoise(key, dim, noise_std, dtype, rng)
-        self.start = start
-        self.stop = dim if stop is None else stop
-        if not 0 <= self.start <= self.stop <= dim:
-            raise ValueError(f"shard [{start}, {stop}) is outside [0, {dim})")
+        self.fresh_noise, self.start, self.stop = keyed_shard(
+            key, dim, noise_std, dtype, rng, start, stop
+        )
         self.dtype = self.fresh_noise.dtype
         self.t = 0
         self.buffers: RingHistory = shard_ring(
@@ -115,10 +120,7 @@ class BLTNoise:
     def materialize(self, n: int) -> torch.Tensor:
         """Dense reference: w_0..w_{n-1} by a triangular solve of C W = Z, (n, width).
         Does not touch this instance's state."""
-        z = torch.stack([self.fresh_noise.fresh(t, self.start, self.stop) for t in range(n)])
-        c = torch.from_numpy(self.blt.matrix(n)).to(self.dtype)
-        w: torch.Tensor = torch.linalg.solve_triangular(c, z, upper=False)
-        return w
+        return dense_solve(self.fresh_noise, self.blt.matrix(n), self.start, self.stop)
 
     @property
     def state_rows(self) -> RingHistory:
