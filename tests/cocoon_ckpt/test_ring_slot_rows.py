@@ -40,9 +40,9 @@ class _CountingRing(HostRing):
 
     reads = 0
 
-    def read(self, slot: int) -> np.ndarray:
+    def read(self, slot: int, out: np.ndarray | None = None) -> np.ndarray:
         self.reads += 1
-        return super().read(slot)
+        return super().read(slot, out)
 
     def gather(self) -> np.ndarray:
         raise AssertionError("a snapshot must not gather the whole ring")

@@ -169,7 +169,15 @@ def test_live_writer_keeps_renewing_and_is_fenced_once_it_stops(
     clock = _Clock(1_000_000.0)
     monkeypatch.setattr(state.lease, "time", clock)
     first = _open(store_location)
+    running = set(threading.enumerate())
     lease = first.acquire_lease(expiry_s=0.3)  # the heartbeat wakes every 0.1 s
+    # this lease's heartbeat: another test's store in this process may also be at
+    # generation 1, its heartbeat (a thread of the same name) still waiting
+    (heartbeat,) = (
+        t
+        for t in set(threading.enumerate()) - running
+        if t.name == f"lease-heartbeat-g{lease.generation}"
+    )
     # Past the acquisition's expiry: only the heartbeat thread's renewal keeps it alive.
     clock.now += 0.25
     _until(lambda: lease.renewed == clock.now, "the heartbeat renews")
@@ -177,9 +185,7 @@ def test_live_writer_keeps_renewing_and_is_fenced_once_it_stops(
     with pytest.raises(LeaseHeldError, match="a second writer is refused"):
         _open(store_location).acquire_lease()
     lease._stop.set()  # the holder hangs: its heartbeat stops, its lease expires
-    for thread in threading.enumerate():
-        if thread.name == f"lease-heartbeat-g{lease.generation}":
-            thread.join()
+    heartbeat.join()
     clock.now = lease.renewed + 0.3
     second = _open(store_location)
     assert second.acquire_lease(expiry_s=0.3).generation == 2
