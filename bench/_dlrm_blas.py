@@ -70,8 +70,11 @@ class TorchMvRing:
     def write(self, slot: int, w: np.ndarray) -> None:
         self._tensor()[slot].copy_(torch.from_numpy(np.asarray(w, dtype=self.dtype)))
 
-    def read(self, slot: int) -> np.ndarray:
-        out: np.ndarray = self._tensor()[slot].cpu().numpy().copy()
+    def read(self, slot: int, out: np.ndarray | None = None) -> np.ndarray:
+        row: np.ndarray = self._tensor()[slot].cpu().numpy()
+        if out is None:
+            return row.copy()
+        out[...] = row
         return out
 
     def gather(self) -> np.ndarray:
