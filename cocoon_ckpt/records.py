@@ -35,6 +35,7 @@ __all__ = [
     "OptimizerIdentity",
     "OptimizerRecord",
     "OptimizerValue",
+    "PackedArrayRecord",
     "PartStateRecord",
     "PlacementRecord",
     "PythonRngRecord",
@@ -210,14 +211,27 @@ class NumpyRngRecord(TypedDict):
 PythonRngRecord: TypeAlias = list[Any]
 
 
+class PackedArrayRecord(TypedDict):
+    """A small array held in a record (`format.packed`): no file of its own."""
+
+    dtype: str
+    """`uint8`, `uint32`, `uint64` or `int64`."""
+    shape: list[int]
+    data: str
+    """base64 of the array's little-endian C-order bytes."""
+
+
 class RngRecord(TypedDict):
-    """`rng`: the global generators' states (torch's is array `rng/torch`)."""
+    """`rng`: the global generators' states (torch's is array `rng/torch`, or packed)."""
 
     numpy: NumpyRngRecord
     python: PythonRngRecord
     cuda: NotRequired[int]
     """How many CUDA generators' states are stored (arrays `rng/cuda/<i>`), when the
     job had initialised CUDA; absent: none."""
+    packed: NotRequired[dict[str, PackedArrayRecord]]
+    """The states of arrays `rng/<kind>` (`torch`, `numpy`, `cuda/<i>`) held here
+    instead, by kind (the packed layout); absent: they are arrays."""
 
 
 class TablePlanRecord(TypedDict):

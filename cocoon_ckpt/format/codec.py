@@ -34,7 +34,13 @@ from state import Manifest, Version
 __all__ = ["Snapshot", "decode", "encode"]
 
 
-def encode(state: TrainerState, parent: Manifest | None, *, shard_only: bool = False) -> Snapshot:
+def encode(
+    state: TrainerState,
+    parent: Manifest | None,
+    *,
+    shard_only: bool = False,
+    packed: bool = False,
+) -> Snapshot:
     """Host copies of `state`'s arrays and its records, ring slots the parent version
     already holds referenced.
 
@@ -43,6 +49,10 @@ def encode(state: TrainerState, parent: Manifest | None, *, shard_only: bool = F
         parent: the version this one follows (None: the first).
         shard_only: encode only this rank's ring shard (the ranks of a multi-process job
             other than the coordinator: every other part is the same on every rank).
+        packed: the packed layout, which a checkpointer writes: the opaque small state
+            (the generators') held in its record, not as arrays of their own (five
+            files fewer a version). False: the layout of versions written before it
+            (tests/cocoon_ckpt/golden/format_store). `decode` reads both.
 
     Raises:
         TypeError: a scheduler's or stateful part's state the format cannot hold.
@@ -54,7 +64,7 @@ def encode(state: TrainerState, parent: Manifest | None, *, shard_only: bool = F
     if shard_only:
         return snap
     snap.take(model.encode(state["model"]))
-    rng_record = snap.take(rng.encode(state["rng"]))
+    rng_record = snap.take(rng.encode(state["rng"], packed=packed))
     records: SnapshotRecords = {
         "trainer": {"step": state["step"]},
         "optimizer": snap.take(optimizer.encode(state["optimizer"])),

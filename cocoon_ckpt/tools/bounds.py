@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from cocoon_ckpt.format.packed import MAX_CUDA_STATES, packed_nbytes
 from cocoon_ckpt.format.parts import user
 from cocoon_ckpt.format.ring_rows import slot_refs
 from cocoon_ckpt.layout import (
@@ -349,5 +350,31 @@ def check_bounds(m: Manifest) -> VersionBounds:
             out.unsafe.add(name)
             if out.noise_ok and out.embedding_ok:
                 out.problems.append(f"array {name} is not referenced by the version's records")
+    _packed_rng(out, rec)
     _plain_arrays(c, shapes)
     return out
+
+
+def _packed_rng(out: VersionBounds, rec: dict[str, Any]) -> None:
+    """The generators' states packed into the `rng` record: the generators the record
+    names, each of a state's form and size (`format.packed` holds each to 64 KiB, under
+    `_RNG_MAX` values, as the arrays `rng/<kind>` are held)."""
+    rng = rec.get("rng")
+    if not isinstance(rng, dict) or rng.get("packed") is None:
+        return
+    packed = rng["packed"]
+    if not isinstance(packed, dict):
+        out.problems.append("the rng record's packed states are not a mapping")
+        return
+    cuda = rng.get("cuda", 0)
+    cuda = cuda if type(cuda) is int and 0 <= cuda <= MAX_CUDA_STATES else 0
+    want = {"torch", "numpy", *(f"cuda/{i}" for i in range(cuda))}
+    if set(packed) != want:
+        out.problems.append(
+            f"the rng record packs the states of {sorted(packed)}, not of {sorted(want)}"
+        )
+    for kind, p in packed.items():
+        try:
+            packed_nbytes(p)
+        except ValueError as exc:
+            out.problems.append(f"the rng record's packed {kind} state: {exc}")

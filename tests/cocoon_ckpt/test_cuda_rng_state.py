@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cocoon_ckpt import run_job
+from cocoon_ckpt.format.packed import unpack_array
 from cocoon_ckpt.train.options import JobOptions
 from state import Store
 
@@ -29,8 +30,10 @@ def test_cuda_generator_states_are_stored_and_restored(
     run_job(cfg, url, stop_after=5, options=JobOptions(key_file=key))  # checkpoint_every=5
     latest = Store.open(url, create=False).latest()
     assert latest is not None and latest.records["rng"]["cuda"] == 2
+    packed = latest.records["rng"]["packed"]  # in the record, not arrays of their own
+    assert not any(n.startswith("rng/") for n in latest.array_names())
     for i, s in enumerate(states):
-        assert torch.equal(torch.from_numpy(latest.array(f"rng/cuda/{i}")), s)
+        assert torch.equal(torch.from_numpy(unpack_array(packed[f"cuda/{i}"])), s)
     assert restored == []
     run_job(
         cfg, url, options=JobOptions(key_file=key)
