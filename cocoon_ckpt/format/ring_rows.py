@@ -127,6 +127,7 @@ def encode_slots(
     references: dict[str, ArrayMeta],
     *,
     take: Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray] = np.empty,
+    lend: Callable[[RingHistory, int], np.ndarray | None] | None = None,
 ) -> list[RingSlot]:
     """A ring's slot entries: slots the parent holds are borrowed (their arrays
     referenced), the new ones copied into one (k, width) array, rows in step order
@@ -145,6 +146,9 @@ def encode_slots(
         references: the snapshot's borrowed arrays; the parent's are added.
         take: allocates the new rows' arrays (a snapshot's reused buffers,
             `SnapshotBuffers.take`; default fresh memory).
+        lend: a row alone in its array (one of 16 MiB or more) as a view of the live
+            ring instead of a copy (`SharedRows.lend`: guarded until written), or None
+            to copy it.
 
     Returns:
         The record's entries, in slot order.
@@ -163,9 +167,11 @@ def encode_slots(
     for lo in range(0, len(fresh), per_array):
         run = fresh[lo : lo + per_array]
         name = rows_name(run[0][0], run[-1][0])
-        block = take((len(run), history.width), history.dtype)
+        lent = lend(history, run[0][1]) if lend is not None and len(run) == 1 else None
+        block = take((len(run), history.width), history.dtype) if lent is None else lent
         for row, (step, slot) in enumerate(run):
-            history.read(slot, out=block[row])  # straight into the snapshot
+            if lent is None:
+                history.read(slot, out=block[row])  # straight into the snapshot
             entries[slot] = [slot, step, name, row, row_checksum(block[row])]
         arrays[name] = block
     for slot, step in held:

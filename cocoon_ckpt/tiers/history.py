@@ -11,7 +11,7 @@ kernel of `cocoon_ckpt.dp.gemv` has one order of rounding).
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -55,6 +55,7 @@ class TieredHistory:
         plan: dict[str, Any] | None = None,
     ) -> None:
         self.slots, self.width, self.dtype = slots, width, np.dtype(dtype)
+        self._guards: list[Callable[[int], None]] = []
         self.mode = GemvMode(mode)
         self.unit = unit
         self.plan = plan
@@ -109,8 +110,30 @@ class TieredHistory:
         return out
 
     # -- data ----------------------------------------------------------------------
+    def shared_row(self, slot: int) -> np.ndarray | None:
+        """A read-only (1, width) view of ring slot `slot` when one host tier holds every
+        column (a snapshot writes it from here instead of a copy, `guard_writes`
+        guarding it); None otherwise."""
+        live = [(t, lo, hi) for t, lo, hi in self.ranges if hi > lo]
+        if len(live) != 1 or not isinstance(live[0][0], HostTier) or not 0 <= slot < self.slots:
+            return None
+        view = live[0][0].ring[slot : slot + 1]
+        view.flags.writeable = False
+        return view
+
+    def add_write_guard(self, guard: Callable[[int], None]) -> None:
+        """Call `guard(slot)` before every write to a slot (a snapshot's lent rows are
+        copied out or finished first: `format.snapshot.SharedRows`)."""
+        self._guards.append(guard)
+
+    def remove_write_guard(self, guard: Callable[[int], None]) -> None:
+        """Stop calling `guard` (`add_write_guard`)."""
+        self._guards = [g for g in self._guards if g != guard]
+
     def write(self, slot: int, w: np.ndarray) -> None:
         """Store w (width,) as ring slot `slot`, each tier its columns."""
+        for guard in self._guards:
+            guard(slot)
         for t, lo, hi in self.ranges:
             if hi > lo:
                 t.write_slot(slot, w[lo:hi])

@@ -24,7 +24,7 @@ from typing import Any
 
 from cocoon_ckpt.dp.accounting.accountant import Accountant
 from cocoon_ckpt.format.codec import encode
-from cocoon_ckpt.format.snapshot import BUFFERS, Snapshot
+from cocoon_ckpt.format.snapshot import BUFFERS, SharedRows, Snapshot
 from cocoon_ckpt.records import NoiseRecord, RankShard
 from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.job_records import check_job_records
@@ -154,6 +154,8 @@ class Checkpointer:
         self._retainer = _background("ckpt-retain", lowered=False)
         self._inflight: concurrent.futures.Future[Manifest] | None = None
         self._writing: Snapshot | None = None  # the in-flight write's, recycled after
+        # the ring rows a version being written reads from the live ring, not a copy
+        self._lent = SharedRows()
         self._retaining: concurrent.futures.Future[None] | None = None
         self.last: Manifest | None = None
         self.bytes_written = 0
@@ -176,18 +178,23 @@ class Checkpointer:
             # a version without the job's records would be half-readable (export,
             # inspect and audit need them): refuse before anything is written
             check_job_records(extra_records)
-        snap = take_snapshot(trainer, self.last, extra_records)
+        with self._lent.lending():
+            snap = take_snapshot(trainer, self.last, extra_records)
+        self._lent.adopt(snap.arrays)
         BUFFERS.trim()
-        if trainer.dist is not None:
-            self._write_coordinated(snap, trainer.dist)
+        if trainer.dist is not None or not self.async_write:
+            try:
+                if trainer.dist is not None:
+                    self._write_coordinated(snap, trainer.dist)
+                else:
+                    self._write(snap)
+            finally:
+                self._lent.release()
             snap.recycle()
-        elif self.async_write:
+        else:
             pool = self._bulk if snap.nbytes >= BULK_BYTES else self._pool
             self._inflight = pool.submit(self._write, snap)
             self._writing = snap
-        else:
-            self._write(snap)
-            snap.recycle()
 
     def wait(self) -> Manifest | None:
         """Block until the in-flight checkpoint is committed and its retention done;
@@ -209,7 +216,10 @@ class Checkpointer:
         """Block until the in-flight checkpoint is committed; re-raise its error."""
         if self._inflight is not None:
             fut, self._inflight = self._inflight, None
-            fut.result()
+            try:
+                fut.result()
+            finally:
+                self._lent.release()  # written or failed: the ring is its own again
             if self._writing is not None:  # written: its buffers serve the next snapshot
                 self._writing.recycle()
                 self._writing = None
@@ -242,8 +252,8 @@ class Checkpointer:
         shard = None if txn is not None else snap.shard
         if txn is None:
             writer = self.store.shard_writer(head[0], snap.step, head[1], dist.rank)
-            for name, arr in snap.arrays.items():
-                writer.put_array(name, arr)
+            for name in list(snap.arrays):
+                self._put(name, snap, writer.put_array)
             mine = {**writer.finish(), **snap.references}
             written = writer.bytes_written
         else:
@@ -295,8 +305,8 @@ class Checkpointer:
         # paid for it at every checkpoint of versions retention mostly deletes unread.
         if acc is not None and acc.get("epsilon") is None and snap.records.get("complete"):
             epsilon = submit_or_run(self._accounting, Accountant.from_state_dict(acc).epsilon)
-        for name, arr in snap.arrays.items():
-            txn.put_array(name, arr)
+        for name in self._write_order(snap):
+            self._put(name, snap, txn.put_array)
         for name, meta in snap.references.items():
             txn.reference(name, meta)
         # A fresh folder per write: a crash before the commit leaves an unreferenced
@@ -327,6 +337,24 @@ class Checkpointer:
         else:
             self._retain(manifest.version)
         return manifest
+
+    def _write_order(self, snap: Snapshot) -> list[str]:
+        """Every array, lent ring rows last and the newest of them first: the ring
+        overwrites its oldest slot next, so that row is the likeliest to be copied out
+        before the writer begins it than to be waited for while the writer is in it."""
+        names = list(snap.arrays)
+        rows = [n for n in names if self._lent.is_lent(n)]
+        rest = [n for n in names if not self._lent.is_lent(n)]
+        return rest + sorted(rows, key=self._lent.step_of, reverse=True)
+
+    def _put(self, name: str, snap: Snapshot, put: Any) -> None:
+        """Write array `name` of `snap` with `put`; a lent ring row is claimed first
+        (the ring waits for it, or copies it out if it must overwrite it before)."""
+        lent = self._lent.claim(name)
+        try:
+            put(name, snap.arrays[name] if lent is None else lent)
+        finally:
+            self._lent.written(name)
 
     def _retain(self, newest: int) -> None:
         """Retention after committing version `newest`. It deletes nothing above the
