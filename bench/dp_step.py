@@ -16,7 +16,12 @@ the new sizes each round met are printed, and ours / opacus over the rounds that
 none (the steady state) beside the median over all rounds.
 
     python bench/dp_step.py [--hidden 256] [--batch 64] [--steps 50] [--rounds 7]
-        [--threads 1] [--model both|mlp|digits] [--clock wall|cpu]
+        [--threads 1] [--grad-threads N] [--model both|mlp|digits] [--clock wall|cpu]
+
+`--threads` is the process's torch count (every contender's); ours takes its gradients,
+clipping and optimizer step at a job's default count for the model's size (one thread
+below 2^18 parameters: `train.grad_threads`) unless `--grad-threads` sets it.
+bench/grad_threads.py compares the counts themselves.
 
 Opacus is optional (`pip install opacus`, e.g. in a venv with --system-site-packages);
 without it its column is skipped.
@@ -186,6 +191,13 @@ def _sizes_seen(trainer: DPTrainer) -> int:
     return sum(len(f.checked) + len(f.eager_sizes) for f in fns)
 
 
+def _grad_threads(trainers: list[DPTrainer], n: int | None) -> None:
+    """Run the trainers' gradients at `n` threads (None: the count each was built with,
+    a new job's default), as a job built with `grad_threads=n` does."""
+    for t in trainers if n is not None else []:
+        t.grad_threads = n
+
+
 def main() -> None:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     p.add_argument("--hidden", type=int, default=256)
@@ -194,6 +206,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50, help="timed steps per round")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument(
+        "--grad-threads",
+        type=int,
+        default=None,
+        help="ours' gradient threads (JobConfig.grad_threads; default: a new job's)",
+    )
     p.add_argument("--model", choices=("both", "mlp", "digits"), default="both")
     p.add_argument(
         "--clock",
@@ -208,6 +226,7 @@ def main() -> None:
     total = args.rounds * (args.steps + 3) + 10
     if args.model in ("both", "mlp"):
         (tr, make), (eager, _) = (mlp_job(args.hidden, args.batch, total) for _ in "ab")
+        _grad_threads([tr, eager], args.grad_threads)
         compare(
             f"mlp hidden {args.hidden}, batch {args.batch}",
             [tr, eager],
@@ -216,6 +235,7 @@ def main() -> None:
         )
     if args.model in ("both", "digits"):
         (tr, make), (eager, _) = (digits_job(args.digits_batch, total) for _ in "ab")
+        _grad_threads([tr, eager], args.grad_threads)
         compare(
             f"digits MLP, batch {args.digits_batch}",
             [tr, eager],

@@ -220,8 +220,9 @@ def add_parser(sub: Subparsers) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="torch threads for the per-sample gradients (default: torch's count when a "
-        "new job starts; a resume keeps the job's recorded count, on any machine)",
+        help="torch threads for the per-sample gradients, clipping and optimizer step "
+        "(default for a new job: 1 below 262,144 dense parameters, torch's count from "
+        "there; a resume keeps the job's recorded count, on any machine)",
     )
     p.add_argument(
         "--sync-checkpoints",

@@ -283,7 +283,8 @@ class JobConfig:
         overlap_noise: Compute w_t in a worker thread while the per-sample gradients are taken
             (harmless: bit-identical either way).
         grad_threads: torch intra-op threads the per-sample gradients, clipping and optimizer step
-            run at (`train.grad_threads`); None: torch's count when a new job starts. The count is
+            run at (`train.grad_threads`); None: when a new job starts, 1 below 2^18 dense
+            parameters, torch's count from there (`default_grad_threads`). The count is
             recorded in every version and a resume runs at it on any machine (another explicit count
             is refused there), so it is not part of the fingerprint.
         embedding: Noise for sparse embedding tables (`cocoon_ckpt.embedding`); None: every

@@ -11,6 +11,18 @@ every version (record `grad_threads`, checksummed like every record, but not in 
 fingerprint: a resume on another machine size is not refused) and a resume takes its
 gradients at the recorded count whatever the machine's default
 (`embedding.one_thread.fixed_threads` switches it around that part of the step).
+
+The count a new job takes when none is asked for (`default_grad_threads`): one thread
+when the model has fewer than `ONE_THREAD_BELOW` dense parameters (those the per-sample
+gradients form, the dense dimension m: embedding tables' per-row gradients are not
+counted), torch's count otherwise. Measured on the 2-core development machine, loaded by
+others (bench/grad_threads.py, docs/benchmarks.md): up to 2 x 10^5 dense parameters one
+thread took 0.04-0.7x the wall time and CPU time of two (the mlp example, digits,
+DLRM's dense part: torch's parallel regions wait on a descheduled second thread at every
+small op); from ~5 x 10^5 up the two tie in CPU time and either wins the wall clock,
+so there torch's count stays. The rule's input (m, the noise record's `dim`) and its outcome
+(`grad_threads`) are recorded in every version, and a resume takes the recorded count,
+never the rule again: a store written under another rule or default keeps its count.
 """
 
 from __future__ import annotations
@@ -21,19 +33,41 @@ import torch
 
 from cocoon_ckpt.errors import ConfigError, ConfigMismatchError, StoredStateError
 
-__all__ = ["resolve_grad_threads", "resumed_grad_threads"]
+__all__ = [
+    "ONE_THREAD_BELOW",
+    "default_grad_threads",
+    "resolve_grad_threads",
+    "resumed_grad_threads",
+]
 
 log = logging.getLogger(__name__)
 
 
-def resolve_grad_threads(requested: int | None) -> int:
-    """A new job's gradient thread count: `requested`, or torch's count now.
+#: A new job with fewer dense parameters than this takes its gradients on one thread
+#: (`default_grad_threads`); 2^18, between the largest model measured faster and cheaper
+#: on one thread (204,804: the mlp example at hidden 8192) and the smallest where it was
+#: not always (534,032: a 2-block transformer, d 128).
+ONE_THREAD_BELOW = 1 << 18
+
+
+def default_grad_threads(dense_params: int) -> int:
+    """The count a new job takes when none is asked for: 1 below `ONE_THREAD_BELOW` dense
+    parameters (`dense_params`, the trainer's m), torch's count now otherwise."""
+    return 1 if dense_params < ONE_THREAD_BELOW else torch.get_num_threads()
+
+
+def resolve_grad_threads(requested: int | None, dense_params: int) -> int:
+    """A new job's gradient thread count: `requested`, or `default_grad_threads`.
+
+    Args:
+        requested: the count asked for (`JobConfig.grad_threads`); None: the default.
+        dense_params: the parameters the per-sample gradients form (the trainer's m).
 
     Raises:
         ValueError: `requested` is not an int >= 1.
     """
     if requested is None:
-        return torch.get_num_threads()
+        return default_grad_threads(dense_params)
     if type(requested) is not int or requested < 1:
         raise ConfigError(
             f"grad_threads={requested!r} must be an int >= 1 (torch intra-op threads for "
@@ -51,15 +85,16 @@ def resumed_grad_threads(stored: object, requested: int | None, where: str) -> i
         where: the store and version, for messages.
 
     Returns:
-        The stored count, or None when the version has none (the job keeps the count it
-        was built with, as before the record, and records it from then on).
+        The stored count, or, for a version written before the record, `requested`, or
+        else torch's count now: the count such a job ran at, as `default_grad_threads`
+        did not exist then (recorded from then on). None: keep the trainer's count.
 
     Raises:
         ConfigMismatchError: `requested` is not the stored count.
         ValueError: the record is not an int >= 1 (a damaged version).
     """
     if stored is None:
-        return None
+        return None if requested is not None else torch.get_num_threads()
     if type(stored) is not int or stored < 1:
         raise StoredStateError(f"record grad_threads={stored!r} is not an int >= 1")
     if requested is not None and requested != stored:

@@ -104,7 +104,8 @@ class DPTrainer:
             CUDA device.
         collate_fn: passed to that DataLoader (default_collate if None).
         grad_threads: torch intra-op threads of the per-sample gradients, clipping and
-            optimizer step (`train.grad_threads`); None: torch's count when built.
+            optimizer step (`train.grad_threads`); None: the default for the model's
+            dense size when built (`grad_threads.default_grad_threads`).
         worker_timeout_s: seconds a step waits for a DataLoader worker's batch before the
             worker is named (`train.workers`).
 
@@ -143,7 +144,6 @@ class DPTrainer:
     ) -> None:
         # asked for (None: any) and in force; a resume sets the stored count (train.resume)
         self.requested_grad_threads = grad_threads
-        self.grad_threads = resolve_grad_threads(grad_threads)
         model = uncompiled(model)  # plain names; JobParts says why it trains the original
         # the model's and scheduler's refusals, from their one home (`check_parts` runs
         # the same before a start writes)
@@ -178,6 +178,7 @@ class DPTrainer:
         check_mechanism(config, self.mechanism, embedding=embedding is not None)
         self._noisy = NoisyGradients(model, self.param_names, config.batch_size)
         self.dim = sum(self._noisy.sizes)
+        self.grad_threads = resolve_grad_threads(grad_threads, self.dim)  # by m when None
         noise_dtype = "float64" if self.grads.dtype == torch.float64 else "float32"
         self.dist = dist
         start, stop = dist.bounds(self.dim) if dist is not None else (0, self.dim)
