@@ -98,3 +98,9 @@ def table_ring_rows_name(param: str, first: int, last: int) -> str:
 def emb_name(param: str, part: str) -> str:
     """An embedding table's array: `emb/<param>/ring/w-<step>`, `.../csc/values`, ..."""
     return f"emb/{param}/{part}"
+
+
+def csc_part_name(param: str, start: int, stop: int, array: str) -> str:
+    """Array `array` (`col_ptr`, `rows`, `values`) of the part of table `param`'s CSC
+    that holds the cold slots [start, stop) (several ranks', `embedding.csc_shards`)."""
+    return emb_name(param, f"csc/slots-{start}-{stop}/{array}")

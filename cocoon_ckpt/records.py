@@ -18,6 +18,7 @@ from typing import Any, Literal, NotRequired, TypeAlias, TypedDict
 
 __all__ = [
     "AccountantRecord",
+    "CscPartRecord",
     "CscRecord",
     "DatasetIdentity",
     "DeviceIdentity",
@@ -243,12 +244,23 @@ class TablePlanRecord(TypedDict):
     profile: dict[str, Any]
 
 
+class CscPartRecord(TypedDict):
+    """One rank's part of a table's CSC: the cold slots [start, stop)
+    (`embedding.csc_shards`, arrays `emb/<param>/csc/slots-<start>-<stop>/...`)."""
+
+    start: int
+    stop: int
+    entries: int
+
+
 class CscRecord(TypedDict):
     """Size of a table's precomputed coalesced noise (arrays under shared/)."""
 
     entries: int
     bytes: int
     steps: int
+    parts: NotRequired[list[CscPartRecord]]
+    """Present when several ranks hold it in parts (absent: one whole CSC)."""
 
 
 class TableRecord(TypedDict):

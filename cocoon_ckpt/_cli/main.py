@@ -10,6 +10,7 @@ modules import torch and the tools inside their handlers, so `inspect`, `diff`, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
@@ -93,17 +94,22 @@ def entry() -> NoReturn:
     """The process's entry (`cocoon-ckpt`, `python -m cocoon_ckpt`): `main()`, then exit
     with its code.
 
-    A process in a torch.distributed group leaves with `os._exit` once its output is
-    flushed: the group is never destroyed, and gloo's threads, destroyed with the
-    interpreter, aborted a rank now and then after it had printed its (agreed) error
-    ("terminate called without an active exception", exit -6: 2 of 30 runs of a
-    2-rank refusal). Everything a rank writes is committed and fsynced before `main`
-    returns, so nothing is lost by skipping the interpreter's teardown."""
+    A process in a torch.distributed group destroys the group it started
+    (`train.distributed.end_process_group`), then leaves with `os._exit` once its output
+    is flushed: gloo's threads, destroyed with the interpreter while the group was up,
+    aborted a rank now and then after it had printed its (agreed) error ("terminate
+    called without an active exception", exit -6: 2 of 30 runs of a 2-rank refusal).
+    Everything a rank writes is committed and fsynced before `main` returns, so nothing
+    is lost by skipping the interpreter's teardown."""
     code = main()
     if _in_process_group():
+        from cocoon_ckpt.train.distributed import end_process_group
+
         sys.stdout.flush()
         sys.stderr.flush()
         logging.shutdown()
+        with contextlib.suppress(Exception):  # the exit code is the job's, not this
+            end_process_group()
         os._exit(code)
     sys.exit(code)
 

@@ -54,6 +54,7 @@ __all__ = [
     "StoredCSC",
     "WindowCrcs",
     "damaged",
+    "verify_part",
     "window_edges",
     "window_layout",
 ]
@@ -394,6 +395,24 @@ class CscWindows:
         self._next = None
         self._release(self._current)
         self._current = None
+
+
+def verify_part(version: Version, param: str, name: str) -> None:
+    """Array `name` (`rows` or `values`) of table `param`'s CSC in `version`, checked as
+    `CscWindows` checks it on open: every chunk's crc32c and the whole array's checksum
+    against the manifest, one chunk in memory at a time (how the tools verify a CSC
+    without holding it).
+
+    Raises:
+        KeyError: the version holds no such array.
+        ValueError: it has no recorded chunk shape (read it whole).
+        CorruptVersionError: a chunk or the whole array fails its checksum.
+    """
+    meta = version.manifest.arrays[emb_name(param, f"csc/{name}")]
+    # one pass over one array needs neither the other arrays nor the column pointer
+    stored = StoredCSC(version.store, version.manifest, param, {name: meta}, np.zeros(2, np.int64))
+    reader = _ArrayReader(stored, name)
+    reader.verify(np.array([0, meta.shape[0] * reader.row_bytes], dtype=np.int64))
 
 
 class _ArrayReader:

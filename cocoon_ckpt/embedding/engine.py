@@ -21,11 +21,21 @@ from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.embedding.config import TableMode, TableSpec
 from cocoon_ckpt.embedding.csc import CoalescedCSC
 from cocoon_ckpt.embedding.csc_assembly import CscAssembly
+from cocoon_ckpt.embedding.csc_shards import (
+    CscPart,
+    CscRanks,
+    StoredParts,
+    load_range,
+    part_bounds,
+    part_entries,
+    tile_edges,
+)
 from cocoon_ckpt.embedding.csc_window import CscWindows, StoredCSC
 from cocoon_ckpt.embedding.lazy import LazyNoise
 from cocoon_ckpt.embedding.one_thread import one_thread
 from cocoon_ckpt.embedding.precompute import (
     TileParts,
+    default_tile_rows,
     precompute_csc,
     precompute_into,
     table_key,
@@ -150,6 +160,40 @@ class TableEngine:
         self.csc: CoalescedCSC | CscWindows | None = None
         self.precompute_seconds = 0.0
         self.entries_applied = 0
+        self.ranks: CscRanks | None = None
+
+    # several ranks ---------------------------------------------------------------
+    def shard(self, ranks: CscRanks) -> None:
+        """Precompute and hold only this rank's part of the CSC (`embedding.csc_shards`),
+        and gather each step's column from every rank's part."""
+        if self.plan.mode is not TableMode.COALESCED or ranks.world == 1:
+            return
+        if self.csc_window_steps is not None:
+            raise ConfigError(
+                f"table {self.spec.param}: EmbeddingConfig.csc_window_steps="
+                f"{self.csc_window_steps} reads the CSC in windows from one process's store "
+                f"arrays, which {ranks.world} ranks do not share: drop csc_window_steps "
+                "(--csc-window-steps), each rank then holds its part of the CSC in memory"
+            )
+        self.ranks = ranks
+
+    @property
+    def part_bounds(self) -> list[tuple[int, int]]:
+        """Every rank's [start, stop) of this table's cold slots (one range in one
+        process)."""
+        world = 1 if self.ranks is None else self.ranks.world
+        return part_bounds(self.plan.hot, self.rows, self._tile_rows(), world)
+
+    def _tile_rows(self) -> int:
+        itemsize = np.dtype(self.noise.np_dtype).itemsize
+        return self.tile_rows or default_tile_rows(self.dim, self.mechanism.bands, itemsize)
+
+    def _part(self, csc: CoalescedCSC) -> CscPart:
+        bounds = self.part_bounds
+        rank = 0 if self.ranks is None else self.ranks.rank
+        counts = self.schedule.counts
+        entries = [part_entries(counts, self.order, a, z) for a, z in bounds]
+        return CscPart.of(csc, *bounds[rank], bounds, entries)
 
     # the precompute --------------------------------------------------------------
     @property
@@ -199,7 +243,15 @@ class TableEngine:
         """Build the CSC of the cold rows (slow: the whole run's noise for them); with
         `parts`, tiles kept there are loaded and each computed one is kept."""
         t0 = time.perf_counter()
-        self.csc = precompute_csc(
+        tiles = None
+        if self.ranks is not None:  # this rank's tiles only; none kept in the store
+            a, z = self.part_bounds[self.ranks.rank]
+            cuts = [
+                e for e in tile_edges(self.plan.hot, self.rows, self._tile_rows()) if a <= e <= z
+            ]
+            tiles = [np.arange(x, y, dtype=np.int64) for x, y in zip(cuts, cuts[1:], strict=False)]
+            parts = None
+        csc = precompute_csc(
             self.schedule,
             self.order,
             self.plan.hot,
@@ -208,9 +260,11 @@ class TableEngine:
             self.noise,
             self.factors,
             tile_rows=self.tile_rows,
+            tiles=tiles,
             progress=progress,
             parts=parts,
         )
+        self.csc = csc if self.ranks is None else self._part(csc)
         self.precompute_seconds = time.perf_counter() - t0
         return self.csc
 
@@ -269,10 +323,28 @@ class TableEngine:
         self.precompute_seconds = time.perf_counter() - t0
         return windows
 
-    def set_csc(self, csc: CoalescedCSC | CscWindows | StoredCSC) -> None:
+    def set_csc(self, csc: CoalescedCSC | CscWindows | StoredCSC | StoredParts) -> None:
         """Use a CSC loaded from the store (it was checksummed there), read from it in
         windows, or committed in it: then read whole, or in windows when
-        `csc_window_steps` is set."""
+        `csc_window_steps` is set. On several ranks (`shard`), or from a version written
+        by several (`StoredParts`), the entries of this rank's slots are read from the
+        parts that hold them (`embedding.csc_shards`)."""
+        if isinstance(csc, StoredParts | StoredCSC) and (
+            self.ranks is not None or isinstance(csc, StoredParts)
+        ):
+            if csc.steps != self.schedule.steps or csc.dim != self.dim:
+                raise StoredStateError(
+                    f"table {self.spec.param}: the stored CSC has {csc.steps} steps x "
+                    f"({csc.dim},) but this job needs {self.schedule.steps} x ({self.dim},)"
+                )
+            slot_of = np.empty_like(self.order)
+            slot_of[self.order] = np.arange(self.order.size, dtype=slot_of.dtype)
+            rank = 0 if self.ranks is None else self.ranks.rank
+            a, z = self.part_bounds[rank]
+            self._drop_csc()
+            mine = load_range(csc, slot_of, a, z)
+            self.csc = self._part(mine) if self.ranks is not None else mine
+            return
         if isinstance(csc, CoalescedCSC):
             dim = csc.values.shape[1:]
         else:
@@ -315,6 +387,8 @@ class TableEngine:
             if t == self.schedule.steps and isinstance(self.csc, CscWindows):
                 for rows, vals in self.csc.tail_pieces():  # one window's worth at a time
                     self._apply(weight, rows, vals)
+            elif self.ranks is not None:
+                self._apply(weight, *self._gathered(*self.csc.column(t)))
             else:
                 self._apply(weight, *self.csc.column(t))
         elif self.lazy is not None:
@@ -326,6 +400,16 @@ class TableEngine:
                 )
                 weight.index_add_(0, torch.from_numpy(rows), torch.from_numpy(upd).to(self.dtype))
                 self.entries_applied += hi - lo
+
+    def _gathered(self, rows: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Column t's entries from every rank's part (a collective), sorted by row as the
+        one-process column is: a row is in one rank's part only."""
+        if self.ranks is None:
+            return rows, vals
+        got = self.ranks.all_gather_object((rows, vals))
+        every = np.concatenate([g[0] for g in got])
+        by_row = np.argsort(every, kind="stable")
+        return every[by_row], np.concatenate([g[1] for g in got])[by_row]
 
     def _apply(self, weight: torch.Tensor, rows: np.ndarray, vals: np.ndarray) -> None:
         if rows.size:

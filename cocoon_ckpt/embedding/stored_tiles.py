@@ -353,8 +353,13 @@ def drop_tile_parts(store: Store, manifest: Manifest | None, params: list[str]) 
         Whether the parts are gone (or there were none): False while some table's CSC is
         not yet in a committed version.
     """
-    if manifest is None or not all(emb_name(p, "csc/values") in manifest.arrays for p in params):
+    if manifest is None:
         return False
+    names = manifest.arrays
+    for p in params:  # whole, or in parts (`embedding.csc_shards`)
+        parts = emb_name(p, "csc/slots-")
+        if emb_name(p, "csc/values") not in names and not any(n.startswith(parts) for n in names):
+            return False
     lease = store.lease
     if lease is None or lease.taken_over():
         return False

@@ -16,6 +16,7 @@ from cocoon_ckpt._state_dict import check_state
 from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.embedding.config import EmbeddingConfig, TableMode
 from cocoon_ckpt.embedding.csc import CoalescedCSC
+from cocoon_ckpt.embedding.csc_shards import CscRanks
 from cocoon_ckpt.embedding.csc_window import StoredCSC
 from cocoon_ckpt.embedding.engine import TableEngine, TablePlan
 from cocoon_ckpt.embedding.profile import choose_threshold, measure_unit_costs
@@ -188,7 +189,7 @@ class EmbeddingNoise:
             for e in self.engines:
                 if e.needs_precompute:
                     parts, digest = None, None
-                    if store is not None:
+                    if store is not None and e.ranks is None:
                         digest = e.tile_digest(job_fingerprint)
                         parts = StoredTiles(
                             store, e.spec.param, digest, writer, mac_key=self._tile_mac_key
@@ -228,6 +229,16 @@ class EmbeddingNoise:
                 manifest.arrays
             ):
                 e.csc_committed(StoredCSC.of_version(version, e.spec.param))
+
+    def shard(self, ranks: CscRanks) -> None:
+        """Each coalesced table's CSC precomputed and held by part, one per rank
+        (`embedding.csc_shards`); a no-op on one rank.
+
+        Raises:
+            ConfigError: `csc_window_steps` is set (windows read one process's arrays).
+        """
+        for e in self.engines:
+            e.shard(ranks)
 
     @property
     def prepared(self) -> bool:

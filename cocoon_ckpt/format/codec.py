@@ -62,6 +62,8 @@ def encode(
     noise_record = snap.take(noise.encode(state["noise"], layout, parent))
     snap.shard = {**noise_record["shards"][0], "placement": layout["placement"]}
     if shard_only:
+        if state["embedding"] is not None:  # the rank's part of each CSC held by parts
+            snap.take(tables.encode_part(state, parent))
         return snap
     snap.take(model.encode(state["model"]))
     rng_record = snap.take(rng.encode(state["rng"], packed=packed))

@@ -22,6 +22,7 @@ from cocoon_ckpt.records import IdentityRecord, PlacementRecord
 if TYPE_CHECKING:
     from cocoon_ckpt.dp.noise_mechanism import NoiseMechanism
     from cocoon_ckpt.embedding.csc import CoalescedCSC
+    from cocoon_ckpt.embedding.csc_shards import StoredParts
     from cocoon_ckpt.embedding.csc_window import CscWindows, StoredCSC
     from cocoon_ckpt.embedding.tables import EmbeddingNoise
 
@@ -98,9 +99,10 @@ class TableArrays(TypedDict):
     """Rows whose noise is generated online (a ring); the rest is precomputed or lazy."""
     order: np.ndarray
     """(rows,) int64: the table's noise order, fixed by the sampler and the data."""
-    csc: CoalescedCSC | CscWindows | StoredCSC | None
+    csc: CoalescedCSC | CscWindows | StoredCSC | StoredParts | None
     """The precomputed coalesced noise (None: not coalesced, or not yet computed): in
-    memory, read from the store in windows, or committed and not read yet (a resume's)."""
+    memory (a rank's part on several ranks), read from the store in windows, or
+    committed and not read yet (a resume's; in parts when several ranks wrote it)."""
     precompute_seconds: float
     history_bytes: int
 

@@ -20,6 +20,7 @@ from cocoon_ckpt.layout import (
     MODEL_PREFIX,
     SCHEDULER_PREFIX,
     array_kind,
+    csc_part_name,
     emb_name,
     stateful_prefix,
 )
@@ -233,22 +234,36 @@ def _embedding(c: _Checker, emb: dict[str, Any], shapes: dict[str, list[int]], n
         order = emb_name(param, "order")
         if order in c.m.arrays:
             ok &= c.array(order, (rows,), "int64")
-        if t.get("csc") is not None:
-            ptr = emb_name(param, "csc/col_ptr")
-            entries = c.m.arrays[emb_name(param, "csc/rows")].shape
+        csc = t.get("csc")
+        # one process's whole CSC, or several ranks' parts (each a CSC of its slots)
+        sets = [{k: emb_name(param, f"csc/{k}") for k in ("col_ptr", "rows", "values")}]
+        if csc is not None and "parts" in csc:
+            sets = [
+                {
+                    k: csc_part_name(param, _int(p["start"], "part"), _int(p["stop"], "part"), k)
+                    for k in ("col_ptr", "rows", "values")
+                }
+                for p in csc["parts"]
+            ]
+        for arrays in sets if csc is not None else []:
+            if arrays["rows"] not in c.m.arrays:
+                c.problem(f"table {param}: CSC array {arrays['rows']} is not in the version")
+                ok = False
+                continue
+            entries = c.m.arrays[arrays["rows"]].shape
             e = entries[0] if len(entries) == 1 else -1
             if not 0 <= e <= rows * (n + 1):
                 c.problem(
                     f"table {param}: the CSC lists {entries} entries, more than rows x (n+1) "
                     f"= {rows * (n + 1)}",
-                    emb_name(param, "csc/rows"),
-                    emb_name(param, "csc/values"),
+                    arrays["rows"],
+                    arrays["values"],
                 )
                 ok = False
             else:
-                ok &= c.array(ptr, (n + 2,), "int64")
-                ok &= c.array(emb_name(param, "csc/rows"), (e,), "int64")
-                ok &= c.array(emb_name(param, "csc/values"), (e, dim))
+                ok &= c.array(arrays["col_ptr"], (n + 2,), "int64")
+                ok &= c.array(arrays["rows"], (e,), "int64")
+                ok &= c.array(arrays["values"], (e, dim))
         if not ok:
             c.out.embedding_ok = False
 

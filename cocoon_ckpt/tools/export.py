@@ -3,7 +3,9 @@
 Nothing is trusted that can be derived (I7): "finished" is the verified step count
 against the verified config (never the stored `complete` flag), epsilon is recomputed
 from the config, and the fingerprint is recomputed from the config and shapes. The two
-output files appear together or not at all, never inside the store.
+output files appear together or not at all, never inside the store. A coalesced CSC
+that its job read in windows, or a large one, is verified one chunk at a time, never
+held (`tools.csc_reads`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from cocoon_ckpt.format.fingerprint import fingerprint
 from cocoon_ckpt.format.stored import model_state, newest_records
 from cocoon_ckpt.keys import load_key, manifest_mac_key, read_key_file, sealed_under, wrong_key
 from cocoon_ckpt.layout import KEY_SECRET, THREAT_MODEL_DEFAULT
+from cocoon_ckpt.tools.csc_reads import verify_version
 from cocoon_ckpt.tools.guarantee import describe
 from cocoon_ckpt.train.config import JobConfig
 from state import CorruptVersionError, Store, StoreError, UnauthenticatedVersionError, Version
@@ -214,7 +217,11 @@ def export_model(
     if key is not None:
         store.authenticate_with(manifest_mac_key(key), require=not allow_unauthenticated)
     try:
-        latest = store.latest()
+        # the arrays are verified here, not by latest(): a CSC read in windows (or a
+        # large one) is verified one chunk at a time instead of held whole
+        latest = store.latest(verify=False)
+        if latest is not None:
+            verify_version(latest)
     except CorruptVersionError as exc:
         wrong = wrong_key(store, key) if key is not None else None
         if wrong is not None:

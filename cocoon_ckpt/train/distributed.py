@@ -8,19 +8,28 @@ history, draws only its slice of fresh noise (I1) and computes its slice of w_t;
 all-gather per step gives every rank the whole w_t. With the fixed-order GEMV kernel
 the noise is bit-identical to a single process's for any world size.
 
-Embedding tables under lazy noise (b = 1) are data-parallel too: every rank holds the
-whole table, the per-row clipped gradients of its examples are gathered and added in
-rank order (`sum_rows_in_rank_order`), and each lazy draw is split by rank
-(`embedding.lazy.RowShares`, `gather_rows`). Coalesced and dense table noise do not
-shard yet and are refused on more than one rank.
+Embedding tables under lazy (b = 1) or coalesced noise are data-parallel too: every
+rank holds the whole table, and the per-row clipped gradients of its examples are
+gathered and added in rank order (`sum_rows_in_rank_order`). Each lazy draw is split by
+rank (`embedding.lazy.RowShares`, `gather_rows`); a coalesced table's cold slots are
+split by whole precompute tiles, each rank precomputes and holds the CSC of its own
+and the ranks gather each step's column (`embedding.csc_shards`). Dense table noise
+does not shard yet and is refused on more than one rank.
 
 The process group is torch.distributed's own (gloo on CPU, NCCL on GPU), initialised
-from torchrun's environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`).
+from torchrun's environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`). A
+group this module initialised is destroyed when the process ends (`end_process_group`,
+registered with `atexit`; the CLI, which leaves by `os._exit`, calls it itself), on
+every way out, a refusal included: a live gloo group's threads torn down with the
+interpreter can abort a rank (SIGABRT) whose peer left first. A group the caller
+initialised is the caller's to destroy.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -35,9 +44,32 @@ from cocoon_ckpt.embedding.one_thread import one_thread
 from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.train.rank_failure import packed, unpacked
 
-__all__ = ["DistContext", "check_distributed", "lazy_on_ranks", "shard_bounds"]
+__all__ = [
+    "DistContext",
+    "check_distributed",
+    "coalesced_on_ranks",
+    "end_process_group",
+    "lazy_on_ranks",
+    "shard_bounds",
+]
 
 T = TypeVar("T")
+
+
+#: Whether `DistContext.from_env` initialised the running process group (then it is
+#: ours to destroy).
+_STARTED = threading.Event()
+
+
+def end_process_group() -> None:
+    """Destroy the process group if `DistContext.from_env` initialised it and it is
+    still up; else nothing. Local (no collective): every rank calls it as it leaves, so
+    each tears its own gloo threads down before the interpreter does."""
+    if not _STARTED.is_set():
+        return
+    _STARTED.clear()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def shard_bounds(dim: int, world: int) -> list[tuple[int, int]]:
@@ -64,13 +96,25 @@ def lazy_on_ranks(embedding: EmbeddingConfig, bands: int) -> bool:
     )
 
 
+def coalesced_on_ranks(embedding: EmbeddingConfig, bands: int) -> bool:
+    """Whether every table of `embedding` may take coalesced noise (the other path
+    that shards): `final_model`, b > 1 or mode coalesced, and mode coalesced or auto."""
+    return (
+        embedding.coalescing_allowed
+        and embedding.mode in (TableMode.COALESCED, TableMode.AUTO)
+        and not lazy_on_ranks(embedding, bands)
+    )
+
+
 def check_distributed(embedding: EmbeddingConfig | None, world: int, bands: int) -> None:
     """Refuse what a job of `world` ranks cannot run, before anything is written.
 
     Every mechanism shards (BandMF's ring and BLT's buffers alike: both a `RingHistory`
     of the shard's columns, the fresh noise a pure function of (key, t, block)), and so
-    does the embedding tables' lazy noise (b = 1); their dense and coalesced noise do
-    not.
+    does the embedding tables' lazy (b = 1) and coalesced noise; their dense noise does
+    not. A coalesced plan must be the same on every rank, so its hot threshold is given,
+    not chosen by a timed profile on each; its CSC is held by each rank in memory, its
+    part only, so it is not read in windows.
 
     Args:
         embedding: the job's `EmbeddingConfig`, or None.
@@ -78,16 +122,33 @@ def check_distributed(embedding: EmbeddingConfig | None, world: int, bands: int)
         bands: the job's b (`DPConfig.bands`).
 
     Raises:
-        ConfigError: embedding noise other than lazy with more than one rank.
+        ConfigError: dense table noise (mode dense, or not `final_model`) with more than
+            one rank; coalesced noise on several ranks without `hot_threshold` or with
+            `csc_window_steps`.
     """
-    if world > 1 and embedding is not None and not lazy_on_ranks(embedding, bands):
+    if world <= 1 or embedding is None or lazy_on_ranks(embedding, bands):
+        return
+    if not coalesced_on_ranks(embedding, bands):
         raise ConfigError(
             f"embedding noise with torch.distributed (WORLD_SIZE={world}) is supported for "
-            f"lazy noise only (bands=1, threat_model='final_model', mode lazy or auto), "
-            f"not mode={embedding.mode.value!r} with bands={bands} and "
+            f"lazy and coalesced noise only (threat_model='final_model', mode lazy, "
+            f"coalesced or auto), not mode={embedding.mode.value!r} with bands={bands} and "
             f"threat_model={embedding.threat_model!r}: run the embedding job in one "
-            "process, use --embedding lazy --bands 1 --threat-model final_model, or drop "
-            "EmbeddingConfig (--embedding)"
+            "process, use --embedding coalesced --threat-model final_model (or --embedding "
+            "lazy --bands 1), or drop EmbeddingConfig (--embedding)"
+        )
+    if embedding.hot_threshold is None:
+        raise ConfigError(
+            f"EmbeddingConfig.hot_threshold=None with torch.distributed (WORLD_SIZE={world}): "
+            "coalesced noise on several ranks needs the threshold given (a timed profile "
+            "could choose another on each rank); give hot_threshold (--hot-threshold)"
+        )
+    if embedding.csc_window_steps is not None:
+        raise ConfigError(
+            f"EmbeddingConfig.csc_window_steps={embedding.csc_window_steps} with "
+            f"torch.distributed (WORLD_SIZE={world}): on several ranks each rank holds its "
+            "part of the CSC in memory, not read in windows; drop csc_window_steps "
+            "(--csc-window-steps)"
         )
 
 
@@ -120,6 +181,9 @@ class DistContext:
             # device: without this every rank of a host would use cuda:0
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend)
+        if not _STARTED.is_set():
+            _STARTED.set()
+            atexit.register(end_process_group)
         return cls(dist.get_rank(), dist.get_world_size())
 
     def bounds(self, dim: int) -> tuple[int, int]:

@@ -1,7 +1,8 @@
 """Lazy embedding noise (b = 1) on torch.distributed (gloo, CPU), with real processes:
 2 ranks draw the one process's lazy updates bit for bit and train the same model up to
 the association of the gradient sums; a job killed on 2 ranks resumes on 1 and on 3 with
-the same draws; coalesced and dense table noise stay refused on more than one rank.
+the same draws; dense table noise stays refused on more than one rank (coalesced noise
+runs there: tests/cocoon_ckpt/test_distributed_coalesced.py).
 
 Each process runs the real `train` command in a child interpreter that records a
 digest of every lazy draw it applies (`LazyNoise.updates`, after the ranks' gather)."""
@@ -173,17 +174,15 @@ def test_share_counts_split_every_row_once(world: int, k: int) -> None:
 @pytest.mark.parametrize(
     ("mode", "bands", "threat"),
     [
-        (TableMode.COALESCED, 4, "final_model"),
-        (TableMode.AUTO, 4, "final_model"),
+        (TableMode.DENSE, 4, "final_model"),
         (TableMode.DENSE, 1, "final_model"),
         (TableMode.AUTO, 1, "intermediate_iterates"),
+        (TableMode.AUTO, 4, "intermediate_iterates"),
     ],
 )
-def test_table_noise_other_than_lazy_is_refused_on_ranks(
-    mode: TableMode, bands: int, threat: str
-) -> None:
-    emb = EmbeddingConfig(mode=mode, threat_model=threat)
-    with pytest.raises(ConfigError, match="supported for lazy noise only") as err:
+def test_dense_table_noise_is_refused_on_ranks(mode: TableMode, bands: int, threat: str) -> None:
+    emb = EmbeddingConfig(mode=mode, threat_model=threat, hot_threshold=3)
+    with pytest.raises(ConfigError, match="supported for lazy and coalesced noise only") as err:
         check_distributed(emb, 2, bands)
     assert "\n" not in str(err.value) and "--embedding lazy --bands 1" in str(err.value)
     check_distributed(emb, 1, bands)  # one rank runs it as one process
@@ -193,13 +192,13 @@ def test_table_noise_other_than_lazy_is_refused_on_ranks(
 
 
 @pytest.mark.slow
-def test_coalesced_noise_on_two_ranks_is_refused_and_writes_nothing(tmp_path: Path) -> None:
+def test_dense_table_noise_on_two_ranks_is_refused_and_writes_nothing(tmp_path: Path) -> None:
     store, key = tmp_path / "run.zarr", tmp_path / "k"
     logs = tmp_path / "c"
-    codes = _run(2, store, key, logs, args=_train_args(store, key, "coalesced", 4))
+    codes = _run(2, store, key, logs, args=_train_args(store, key, "dense", 4))
     assert codes == [2, 2]  # a malformed request, on every rank
     for rank in range(2):
         err = Path(f"{logs}-{rank}.err").read_text()
-        lines = [ln for ln in err.splitlines() if "supported for lazy noise only" in ln]
+        lines = [ln for ln in err.splitlines() if "supported for lazy and coalesced" in ln]
         assert len(lines) == 1 and "--embedding lazy --bands 1" in lines[0]
     assert not store.exists() and not key.exists()

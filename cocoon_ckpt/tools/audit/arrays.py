@@ -2,11 +2,13 @@
 labels, shapes and counts against its config (`cocoon_ckpt.tools.bounds`), every
 array's recorded size against the bytes the store holds for it, then every array in
 bounds read back against its checksum; an array of ring rows that fails it is
-narrowed to the slots whose rows fail their own checksums."""
+narrowed to the slots whose rows fail their own checksums. A CSC the tools stream
+(`tools.csc_reads`) is verified one chunk at a time, never held."""
 
 from __future__ import annotations
 
 from cocoon_ckpt.format.ring_rows import damaged_rows, rows_by_array
+from cocoon_ckpt.tools import csc_reads
 from cocoon_ckpt.tools.audit.report import AuditReport
 from cocoon_ckpt.tools.bounds import VersionBounds, check_bounds
 from state import CorruptVersionError, Manifest, Store, UnsafePathError, Version
@@ -90,7 +92,7 @@ def check_checksums(
                 continue  # reported by the bounds check; reading it could allocate anything
             meta = m.arrays[name]
             try:
-                ver.array(name)
+                csc_reads.verify_array(ver, name)  # a streamed CSC one chunk at a time
             except CorruptVersionError as exc:
                 report.add("checksums", str(exc), v)
                 if not isinstance(exc, UnsafePathError):

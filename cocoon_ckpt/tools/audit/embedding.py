@@ -1,8 +1,11 @@
 """Audit of an embedding job's noise: the tables' online rings regenerated from each
 table's key, and (with the job's data, given by the caller) the noise order, CSC
-structure and cold rows' entries recomputed from the schedule and the key."""
+structure and cold rows' entries recomputed from the schedule and the key. A CSC is
+walked once, a window at a time where the tools stream it (`tools.csc_reads`)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import numpy as np
 from torch.utils.data import TensorDataset
@@ -10,10 +13,14 @@ from torch.utils.data import TensorDataset
 from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.format.ring_rows import slot_refs, slot_values
 from cocoon_ckpt.records import EmbeddingRecord, TableRecord
+from cocoon_ckpt.tools import csc_reads
 from cocoon_ckpt.tools.audit.report import AuditReport
 from cocoon_ckpt.tools.regenerate import regenerate_rows
 from cocoon_ckpt.train.parts import JobParts
 from state import Manifest, Store, Version
+
+if TYPE_CHECKING:
+    from cocoon_ckpt.embedding.schedule import AccessSchedule
 
 __all__ = ["check_embedding"]
 
@@ -49,7 +56,6 @@ def check_embedding(
             wrong type or shape (the caller turns these into a finding).
     """
     from cocoon_ckpt.dp.sampler import CyclicPoissonSampler
-    from cocoon_ckpt.embedding.csc import CoalescedCSC
     from cocoon_ckpt.embedding.precompute import precompute_csc, table_key, table_noise
     from cocoon_ckpt.embedding.schedule import table_schedule
     from cocoon_ckpt.layout import emb_name
@@ -126,28 +132,19 @@ def check_embedding(
             continue
         if plan["mode"] != "coalesced" or t.get("csc") is None:
             continue
-        csc = CoalescedCSC.from_arrays(
-            {k: ver.array(emb_name(param, f"csc/{k}")) for k in ("col_ptr", "rows", "values")}
-        )
         hot = int(plan["hot"])
-        hot_rows = set(order[:hot].tolist())
-        for step in range(sched.steps):
-            rows, _ = csc.column(step)
-            want = [r for r in sched.rows_at(step).tolist() if r not in hot_rows]
-            if rows.tolist() != want:
-                report.add(
-                    "embedding",
-                    f"table {param}: CSC column {step} holds rows {rows.tolist()[:8]}..., the "
-                    f"schedule's cold reads are {want[:8]}...",
-                    newest.version,
-                )
-                break
         cold = np.arange(hot, sched.rows)
-        if cold.size == 0:
+        pick = (  # no draw for a table without cold rows, as the choices of the next depend on it
+            np.sort(rng.choice(cold, size=min(rows_per_table, cold.size), replace=False))
+            if cold.size
+            else cold
+        )
+        found = _walk_csc(ver, param, sched, order, hot, order[pick], report)
+        if found is None or cold.size == 0:
             continue
-        pick = np.sort(rng.choice(cold, size=min(rows_per_table, cold.size), replace=False))
+        cols, rows, values = found
         dim = int(t["dim"])
-        dtype = str(csc.values.dtype)
+        dtype = str(values.dtype)
         again = precompute_csc(
             sched,
             order,
@@ -164,13 +161,11 @@ def check_embedding(
             tiles=[np.array([p]) for p in pick],
         )
         # both CSCs list entries by (column, row): the picked rows' entries line up
-        mask = np.isin(csc.rows, order[pick])
-        cols = np.repeat(np.arange(csc.steps + 1), np.diff(csc.col_ptr))[mask]
         exp_cols = np.repeat(np.arange(again.steps + 1), np.diff(again.col_ptr))
         same = 0
         if cols.size == exp_cols.size:
-            ok = (cols == exp_cols) & (csc.rows[mask] == again.rows)
-            ok &= np.all(csc.values[mask] == again.values, axis=1)
+            ok = (cols == exp_cols) & (rows == again.rows)
+            ok &= np.all(values == again.values, axis=1)
             same = int(ok.sum())
         checked += int(exp_cols.size)
         identical += same
@@ -183,6 +178,59 @@ def check_embedding(
                 newest.version,
             )
     report.checks["embedding"].update({"entries_recomputed": checked, "bit_identical": identical})
+
+
+def _walk_csc(
+    ver: Version,
+    param: str,
+    sched: AccessSchedule,
+    order: np.ndarray,
+    hot: int,
+    picked: np.ndarray,
+    report: AuditReport,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """One pass over table `param`'s stored CSC, a window at a time where the tools
+    stream it (`tools.csc_reads`): each step's column against the schedule's cold reads
+    at that step (the first that differs is a finding), and the entries of the `picked`
+    rows gathered in the CSC's (column, row) order.
+
+    Returns:
+        The picked rows' entries: (k,) int64 columns, (k,) int64 rows, (k, dim) values;
+        None (and a finding) for a CSC of another step count than the schedule's.
+    """
+    csc = csc_reads.open_csc(ver, param)
+    try:
+        if csc.steps != sched.steps:
+            report.add(
+                "embedding",
+                f"table {param}: the stored CSC has {csc.steps} steps, the schedule {sched.steps}",
+                ver.version,
+            )
+            return None
+        hot_rows = set(order[:hot].tolist())
+        differs = False
+        cols, rows, values = [], [], []
+        for step, got, vals in csc_reads.columns(csc):
+            if step < sched.steps and not differs:
+                want = [r for r in sched.rows_at(step).tolist() if r not in hot_rows]
+                if got.tolist() != want:
+                    report.add(
+                        "embedding",
+                        f"table {param}: CSC column {step} holds rows {got.tolist()[:8]}..., "
+                        f"the schedule's cold reads are {want[:8]}...",
+                        ver.version,
+                    )
+                    differs = True
+            if picked.size:
+                mask = np.isin(got, picked)
+                cols.append(np.full(int(np.count_nonzero(mask)), step, dtype=np.int64))
+                rows.append(got[mask])
+                values.append(vals[mask])
+    finally:
+        csc_reads.close(csc)
+    if not cols:
+        return np.empty(0, np.int64), np.empty(0, np.int64), np.empty((0, 0))
+    return np.concatenate(cols), np.concatenate(rows), np.concatenate(values)
 
 
 def _check_table_ring(
