@@ -4,6 +4,7 @@ measured by tracemalloc, which sees every numpy buffer the snapshot allocates.""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import tracemalloc
 from pathlib import Path
 
@@ -55,3 +56,28 @@ def test_a_snapshot_allocates_the_new_slots_not_the_ring(tmp_path: Path) -> None
         ckpt.close()
         trainer.close()
         store.release_lease()
+
+
+def test_a_snapshot_dropped_unwritten_frees_its_buffers() -> None:
+    # a snapshot taken outside a checkpointer (a benchmark's, a tool's) is never handed
+    # back to BUFFERS: its buffers must go with it, not stay resident to the end
+    cfg = dataclasses.replace(job_config("mlp", bands=8, steps=20), options={"hidden": 8192})
+    trainer = build_trainer(cfg, KEY)
+    try:
+        for _ in range(8):
+            trainer.train_step()
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            snap = take_snapshot(trainer, None, {})
+            held = tracemalloc.get_traced_memory()[0] - before
+            assert held >= snap.nbytes > 0
+            del snap
+            gc.collect()
+            left = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        assert left < held / 10, (left, held)
+    finally:
+        trainer.close()
