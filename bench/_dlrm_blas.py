@@ -27,10 +27,10 @@ class BlasRing(HostRing):
     """A host ring whose GEMV is numpy's `mix @ ring`: BLAS (OpenBLAS here) gemv on all
     cores, in whatever order of rounding it picks."""
 
-    def gemv(self, mix: np.ndarray) -> np.ndarray:
+    def gemv(self, mix: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         ring = self._array()
-        out: np.ndarray = np.asarray(mix, dtype=ring.dtype) @ ring
-        return out
+        h: np.ndarray = np.matmul(np.asarray(mix, dtype=ring.dtype), ring, out=out)
+        return h
 
 
 class TorchMvRing:
@@ -84,10 +84,13 @@ class TorchMvRing:
     def scatter(self, ring: np.ndarray) -> None:
         self._tensor().copy_(torch.from_numpy(np.asarray(ring, dtype=self.dtype)))
 
-    def gemv(self, mix: np.ndarray) -> np.ndarray:
+    def gemv(self, mix: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         ring = self._tensor()
         m = torch.from_numpy(np.asarray(mix, dtype=self.dtype)).to(self.device)
-        out: np.ndarray = torch.mv(ring.t(), m).cpu().numpy()
+        h: np.ndarray = torch.mv(ring.t(), m).cpu().numpy()
+        if out is None:
+            return h
+        out[...] = h
         return out
 
     def close(self) -> None:

@@ -88,6 +88,8 @@ class BandMFNoise:
             "history is",
         )
         self.slot_steps: list[int | None] = [None] * self.history.slots
+        #: the GEMV's h_t, kept from step to step (made on the first step)
+        self._h: np.ndarray | None = None
 
     @property
     def width(self) -> int:
@@ -114,19 +116,36 @@ class BandMFNoise:
         """Free the history's tiers (stops a far-memory worker)."""
         self.history.close()
 
-    def step(self) -> torch.Tensor:
+    def step(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """Produce w_t for the current t, push it into the ring, advance t.
 
+        Args:
+            out: a contiguous (width,) CPU tensor of `dtype` that w_t is written into
+                (the caller's, kept from step to step: no fresh pages a step); None: a
+                fresh tensor.
+
         Returns:
-            w_t[start:stop], shape (width,), a fresh tensor (not a view of the ring).
+            w_t[start:stop], shape (width,): `out`, or a fresh tensor (never a view of
+            the ring).
         """
         t = self.t
         hooks.point(BEFORE_FRESH, step=t)
-        z = self.fresh_noise.fresh(t, self.start, self.stop)
+        z = self.fresh_noise.fresh(t, self.start, self.stop, out)
         hooks.point(AFTER_FRESH, step=t)
-        # Each tier computes its columns where they lie, in one order of rounding.
-        w = bandmf_step(self.mechanism, t, z, self.history, after_gemv=_after_gemv)
         slots = self.mechanism.bands - 1
+        if slots and self._h is None:
+            self._h = np.empty(self.width, dtype=self.history.dtype)
+        # Each tier computes its columns where they lie, in one order of rounding, into
+        # the kept h; z is this step's own buffer, so w_t takes its place
+        w = bandmf_step(
+            self.mechanism,
+            t,
+            z,
+            self.history,
+            after_gemv=_after_gemv,
+            in_place=True,
+            scratch=self._h,
+        )
         if slots:
             self.slot_steps[t % slots] = t
         self.t = t + 1

@@ -121,8 +121,11 @@ class KeyedNoise:
         with keyed BLAKE2b (`cocoon_ckpt.dp.default_noise.block_entropy`)."""
         return block_entropy(self._key, t, block)
 
-    def fresh(self, t: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """z_t[start:stop], shape (stop - start,), in `dtype`.
+    def fresh(
+        self, t: int, start: int = 0, stop: int | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """z_t[start:stop], shape (stop - start,), in `dtype`: into `out` when given (a
+        contiguous CPU tensor of that shape and dtype, returned), else a new tensor.
 
         Whole blocks are drawn and cut, so any range equals the same slice of the whole.
         """
@@ -131,7 +134,18 @@ class KeyedNoise:
             raise ValueError(f"range [{start}, {stop}) is outside [0, {self.dim})")
         if t < 0:
             raise ValueError(f"step t={t} must be >= 0")
-        out = torch.empty(stop - start, dtype=self.dtype)
+        if out is None:
+            out = torch.empty(stop - start, dtype=self.dtype)
+        elif (
+            out.shape != (stop - start,)
+            or out.dtype != self.dtype
+            or out.device.type != "cpu"
+            or not out.is_contiguous()
+        ):
+            raise ValueError(
+                f"out is {tuple(out.shape)} {out.dtype} on {out.device}; z_t[{start}:{stop}] "
+                f"needs a contiguous ({stop - start},) {self.dtype} CPU tensor"
+            )
         if stop == start:
             return out
         if self.rng is NoiseRng.SECURE:
@@ -203,6 +217,8 @@ def bandmf_step(
     *,
     mix: np.ndarray | None = None,
     after_gemv: Callable[[int], None] | None = None,
+    in_place: bool = False,
+    scratch: np.ndarray | None = None,
 ) -> torch.Tensor:
     """One step of the BandMF recursion, the one definition every caller runs (the
     online noise, the audit's regeneration, the embedding precompute):
@@ -222,20 +238,30 @@ def bandmf_step(
             dtype: it is cast to the ring's first).
         after_gemv: called with t once the GEMV is done, before the ring is written
             (a crash point).
+        in_place: w_t is computed into `z` itself (the same two kernels, the same
+            bits): for a caller whose `z` is its own fresh buffer, which saves two
+            (width,) allocations a step (each a fresh 343 MB at 85.9M parameters, whose
+            new pages cost more than the arithmetic).
+        scratch: a (width,) host array of the ring's dtype the GEMV writes into (the
+            caller's, kept from step to step); None: a new one.
 
     Returns:
         w_t, (width,), a fresh tensor (not a view of the ring), or `z` itself when
-        b = 1 and c_0 = 1.
+        b = 1 and c_0 = 1 or `in_place`.
     """
     slots = mechanism.bands - 1
     c0 = float(mechanism.coefficients[0])
     if not slots:
         # x / 1.0 is x in IEEE arithmetic: b = 1 (c_0 = 1) skips a pass over dim
         return z if c0 == 1.0 else z / c0
-    h = history.gemv(mechanism.mixing_vector(t) if mix is None else mix)
+    m = mechanism.mixing_vector(t) if mix is None else mix
+    h = history.gemv(m) if scratch is None else history.gemv(m, scratch)
     if after_gemv is not None:
         after_gemv(t)
-    w = (z - torch.from_numpy(h)) / c0
+    if in_place:
+        w = torch.sub(z, torch.from_numpy(h), out=z).div_(c0)
+    else:
+        w = (z - torch.from_numpy(h)) / c0
     history.write(t % slots, w.numpy())  # the ring keeps the Toeplitz recursion's C_T^-1 z
     # a column-normalized C = C_T diag(1/s) adds diag(s) C_T^-1 z: s_t is 1.0 except in
     # optimized_colnorm's last b-1 steps, so every other kind returns w unchanged

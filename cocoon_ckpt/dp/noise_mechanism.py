@@ -75,8 +75,10 @@ class NoiseMechanism(Protocol):
         a ring slot holds, or the step after which a BLT buffer was taken (t - 1)."""
         ...
 
-    def step(self) -> torch.Tensor:
-        """w_t[start:stop], (width,) in `dtype`, a fresh tensor; advances t."""
+    def step(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """w_t[start:stop], (width,) in `dtype`; advances t. Written into `out` when
+        given (a contiguous (width,) CPU tensor of `dtype`, kept by the caller from step
+        to step, returned); else a fresh tensor."""
         ...
 
     def materialize(self, n: int) -> torch.Tensor:

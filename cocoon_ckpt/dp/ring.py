@@ -64,9 +64,10 @@ class RingHistory(Protocol):
         """Load a whole ring, (slots, width)."""
         ...
 
-    def gemv(self, mix: np.ndarray) -> np.ndarray:
+    def gemv(self, mix: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """h = sum_i mix[i] ring[i], (width,) on the host; mix is (slots,), rotated to
-        the ring's slots."""
+        the ring's slots. Into `out` when given, a (width,) host array of `dtype` (a
+        step's kept scratch: no fresh pages a step), which is returned."""
         ...
 
     def close(self) -> None:
@@ -150,9 +151,9 @@ class HostRing:
             raise ValueError(f"ring {ring.shape}, history ({self.slots}, {self.width})")
         self._array()[...] = ring
 
-    def gemv(self, mix: np.ndarray) -> np.ndarray:
+    def gemv(self, mix: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         # mix_history casts mix to the ring's dtype first, as every tier does.
-        return mix_history(mix, self._array())
+        return mix_history(mix, self._array(), out)
 
     def close(self) -> None:
         self._ring = None

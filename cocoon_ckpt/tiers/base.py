@@ -130,13 +130,15 @@ class Tier(ABC):
             return np.zeros((self.slots, hi - lo), dtype=self.dtype)
         return self._pull(lo, hi)
 
-    def submit_gemv(self, mix: np.ndarray) -> concurrent.futures.Future[np.ndarray]:
+    def submit_gemv(
+        self, mix: np.ndarray, out: np.ndarray | None = None
+    ) -> concurrent.futures.Future[np.ndarray]:
         """Start the GEMV of `mix` (slots,) over this shard where it lies; the future
-        gives the (width,) partial result as a host array."""
+        gives the (width,) partial result as a host array (`out` when given)."""
         self._check_open()
         if len(mix) != self.slots:
             raise ValueError(f"{self.name} tier: mixing vector of {len(mix)}, {self.slots} slots")
-        return self._pool.submit(self._timed_gemv, np.asarray(mix))
+        return self._pool.submit(self._timed_gemv, np.asarray(mix), out)
 
     def profile(self, slots: int, width: int, dtype: np.dtype[Any] | str, reps: int = 3) -> float:
         """Median seconds of one GEMV over a scratch (slots, width) shard on this tier,
@@ -159,10 +161,19 @@ class Tier(ABC):
         self.close()
 
     # -- helpers ------------------------------------------------------------------
-    def _timed_gemv(self, mix: np.ndarray) -> np.ndarray:
+    def _timed_gemv(self, mix: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         t0 = time.perf_counter()
-        out = self._gemv(mix) if self.width else np.empty(0, dtype=self.dtype)
+        if not self.width:
+            h = np.empty(0, dtype=self.dtype) if out is None else out
+        else:
+            h = self._gemv(mix) if out is None else self._gemv_into(mix, out)
         self.last_interval = (t0, time.perf_counter())
+        return h
+
+    def _gemv_into(self, mix: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """`_gemv` into `out` (width,); a tier that computes on the host overrides it to
+        write there directly."""
+        out[...] = self._gemv(mix)
         return out
 
     def _check_open(self) -> None:

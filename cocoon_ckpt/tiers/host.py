@@ -48,6 +48,9 @@ class HostTier(Tier):
     def _gemv(self, mix: np.ndarray) -> np.ndarray:
         return mix_history(mix, self.ring)
 
+    def _gemv_into(self, mix: np.ndarray, out: np.ndarray) -> np.ndarray:
+        return mix_history(mix, self.ring, out)
+
     def _profile(self, slots: int, width: int, dtype: np.dtype[Any], reps: int) -> list[float]:
         scratch = np.random.default_rng(0).standard_normal((slots, width)).astype(dtype)
         mix = np.ones(slots, dtype=dtype)

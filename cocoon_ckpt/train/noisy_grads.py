@@ -48,28 +48,34 @@ class NoisyGradients:
                 device and dtype (a no-op on the CPU in the same dtype).
         """
         w = w.to(summed.device, summed.dtype)
-        flat = self._buffer(summed)
+        flat = self.buffer(summed.dtype, summed.device)
         if flat is None:
             noisy = (summed + w) / self.batch_size
             for p, g in zip(self.params, torch.split(noisy, self.sizes), strict=True):
                 p.grad = g.view(p.shape).to(p.dtype)
             return
-        # the same two kernels as (summed + w) / B, written into the kept buffer
+        # the same two kernels as (summed + w) / B, written into the kept buffer (which
+        # may be `summed` itself: an elementwise add may write over its input)
         torch.add(summed, w, out=flat)
         flat.div_(self.batch_size)
         for p, g in zip(self.params, self._views, strict=True):
             if p.grad is not g:  # first step, or someone set it to None or replaced it
                 p.grad = g
 
-    def _buffer(self, summed: torch.Tensor) -> torch.Tensor | None:
-        """The kept flat gradient buffer for `summed`'s dtype and device (made or
-        remade here), or None when a parameter cannot take a view of it."""
+    def buffer(self, dtype: torch.dtype, device: torch.device | None) -> torch.Tensor | None:
+        """The kept flat gradient buffer, (dim,) of `dtype` on `device` (made or remade
+        here), or None when a parameter cannot take a view of it.
+
+        A clipped sum may be taken into it (`GhostGrads.clipped_sum(out=)`): `set` then
+        adds the noise in place, and the step allocates no (dim,) sum of its own. Its
+        values (the previous step's gradients) are overwritten by whoever writes it."""
+        device = torch.device("cpu") if device is None else device
         flat = self._flat
-        if flat is not None and flat.dtype == summed.dtype and flat.device == summed.device:
+        if flat is not None and flat.dtype == dtype and flat.device == device:
             return flat
-        if any(p.dtype != summed.dtype or p.device != summed.device for p in self.params):
+        if any(p.dtype != dtype or p.device != device for p in self.params):
             return None
-        flat = self._flat = torch.empty_like(summed)
+        flat = self._flat = torch.empty(sum(self.sizes), dtype=dtype, device=device)
         self._views = [
             g.view(p.shape) for p, g in zip(self.params, torch.split(flat, self.sizes), strict=True)
         ]

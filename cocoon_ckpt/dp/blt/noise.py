@@ -103,17 +103,23 @@ class BLTNoise:
         """Free the buffers' storage."""
         self.buffers.close()
 
-    def step(self) -> torch.Tensor:
+    def step(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """Produce w_t for the current t, update the buffers, advance t.
 
+        Args:
+            out: a contiguous (width,) CPU tensor of `dtype` that w_t is written into
+                (kept by the caller); None: a fresh tensor.
+
         Returns:
-            w_t[start:stop], shape (width,), a fresh tensor.
+            w_t[start:stop], shape (width,): `out` or a fresh tensor.
         """
         t = self.t
         hooks.point(BEFORE_FRESH, step=t)
-        z = self.fresh_noise.fresh(t, self.start, self.stop)
+        z = self.fresh_noise.fresh(t, self.start, self.stop, out)
         hooks.point(AFTER_FRESH, step=t)
-        w = blt_step(self.blt, t, z, self.buffers, mix=self._mix, after_gemv=_after_gemv)
+        w = blt_step(
+            self.blt, t, z, self.buffers, mix=self._mix, after_gemv=_after_gemv, in_place=True
+        )
         self.t = t + 1
         return w
 

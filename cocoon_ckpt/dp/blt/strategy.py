@@ -301,6 +301,7 @@ def blt_step(
     *,
     mix: np.ndarray | None = None,
     after_gemv: Callable[[int], None] | None = None,
+    in_place: bool = False,
 ) -> torch.Tensor:
     """One step of the BLT recursion, w_t = (z_t - sum_i alpha_i buf_i) / c_0, then
     buf_i <- theta_i buf_i + w_t for each buffer.
@@ -316,18 +317,22 @@ def blt_step(
         buffers: (d, width) buffers in `z`'s dtype, any `RingHistory`; updated here.
         mix: `blt.mixing_vector`, when the caller has it already.
         after_gemv: called with t once the GEMV is done, before the buffers are written.
+        in_place: w_t is computed into `z` itself (the same kernels, the same bits).
 
     Returns:
-        w_t, (width,), a fresh tensor.
+        w_t, (width,), a fresh tensor (`z` itself when `in_place`).
     """
     if t < 0:
         raise ValueError(f"step t={t} must be >= 0")
     if not blt.buffers:
-        return z / blt.c0
+        return z.div_(blt.c0) if in_place else z / blt.c0
     h = buffers.gemv(blt.mixing_vector if mix is None else mix)
     if after_gemv is not None:
         after_gemv(t)
-    w = (z - torch.from_numpy(h)) / blt.c0
+    if in_place:
+        w = torch.sub(z, torch.from_numpy(h), out=z).div_(blt.c0)
+    else:
+        w = (z - torch.from_numpy(h)) / blt.c0
     w_np = w.numpy()
     decay = blt.buf_decay.astype(w_np.dtype)
     for i in range(blt.buffers):
