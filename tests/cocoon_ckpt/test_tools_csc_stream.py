@@ -299,6 +299,29 @@ def test_a_damaged_byte_is_reported(
     assert not list(out.iterdir()) and tree(root) == before
 
 
+@pytest.mark.parametrize("read_whole", [False, True])
+def test_a_missing_chunk_is_a_damaged_version(
+    jobs: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    read_whole: bool,
+) -> None:
+    """A chunk file of the CSC's values gone: export refuses the version as damaged,
+    naming the array (exit 1), streamed or whole, never a bare file error."""
+    if read_whole:
+        _whole(monkeypatch)
+    root, key = _copy(jobs, tmp_path), jobs["key"]
+    path = _newest(root)["arrays"][f"{CSC}/values"]["path"]
+    list(_chunks(root, path))[3].unlink()
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["export", "--out", str(out / "m.pt"), "--key-file", str(key), str(root)]) == 1
+    err = capsys.readouterr().err
+    assert path in err and "missing or torn" in err, err
+    assert not list(out.iterdir())
+
+
 def test_a_forged_csc_with_valid_checksums_is_found_in_windows(
     jobs: dict[str, Path], tmp_path: Path
 ) -> None:
