@@ -15,6 +15,18 @@ next window prefetched). Both apply column t with `index_add_` into a (rows, dim
 as `TableEngine.before_read` does, and the tails last; the two tables must end the same
 bytes (checked). The rest of a DP step (gradients, hot rows' online noise) is the same
 either way and is not run. Prints each run and the ratios windows / whole.
+
+    python bench/csc_window.py --tools DIR [--tools-steps 100] [--tools-rows 20000]
+                               [--tools-batch 2048] [--tools-dim 256] [--repeats 2]
+
+`--tools`: `cocoon-ckpt audit` and `export` of a finished coalesced DLRM job (one table,
+flat ids, its CSC read in windows of `--window` steps; trained once into DIR and reused)
+each way in its own process, alternating: `stream`, the tools as they are (the CSC
+verified a chunk at a time, audit's checks walking it in windows, `tools.csc_reads`),
+and `whole`, the same tools made to read every CSC whole (`csc_reads.window_steps`
+answering None: the path before they streamed). Prints peak RSS above the RSS after
+the imports, wall time, and the ratios stream / whole; the two audits must give the
+same report and the two exports the same bytes (checked).
 """
 
 from __future__ import annotations
@@ -105,6 +117,139 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _tools_job(args: argparse.Namespace) -> Any:
+    from cocoon_ckpt import DPConfig, JobConfig
+    from cocoon_ckpt.embedding.config import EmbeddingConfig, TableMode
+
+    b = args.bands
+    return JobConfig(
+        job="example:dlrm",
+        # N = 2 b B keeps q = B b / N at 1/2; flat ids (Zipf 0.5) make most reads cold
+        dp=DPConfig(
+            steps=args.tools_steps,
+            batch_size=args.tools_batch,
+            dataset_size=2 * b * args.tools_batch,
+            noise_multiplier=1.0,
+            bands=b,
+            seed=args.seed,
+        ),
+        options={"tables": [args.tools_rows], "dim": args.tools_dim, "dense": 4, "zipf": 0.5},
+        checkpoint_every=max(args.tools_steps // 2, 1),
+        lr=0.5,
+        embedding=EmbeddingConfig(
+            mode=TableMode("coalesced"),
+            threat_model="final_model",
+            hot_threshold=args.hot_threshold,
+            csc_window_steps=args.window,
+        ),
+    )
+
+
+def _tools_sizes(url: str) -> dict[str, Any]:
+    """The CSC's and the table's bytes in the newest version, and the version count."""
+    from state import Store
+
+    store = Store.open(url, create=False)
+    version = store.latest(verify=False)
+    if version is None:
+        raise SystemExit(f"{url} has no version: remove it and train again")
+    metas = version.manifest.arrays
+    return {
+        "csc_mb": sum(m.nbytes for n, m in metas.items() if "/csc/" in n) / 2**20,
+        "table_mb": sum(m.nbytes for n, m in metas.items() if n.startswith("model/tables")) / 2**20,
+        "versions": len(store.versions()),
+    }
+
+
+def _tools_child(args: argparse.Namespace) -> dict[str, Any]:
+    """One tool (`audit` or `export`), one way (`stream` or `whole`), in this process."""
+    import hashlib
+
+    from cocoon_ckpt.tools import csc_reads
+    from cocoon_ckpt.tools.audit import audit_store
+    from cocoon_ckpt.tools.export import export_model
+
+    store, key = f"{args.tools}/store.zarr", f"{args.tools}/noise.key"
+    tool, way = args.child.split("-")
+    if way == "whole":
+        csc_reads.window_steps = lambda manifest, param: None  # type: ignore[assignment]
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    if tool == "audit":
+        report = audit_store(store, seed=args.seed, key_file=key, job="example:dlrm")
+        digest = json.dumps(report.as_json(), sort_keys=True)
+        if not report.ok:
+            raise SystemExit(f"the audit found: {report.text()}")
+    else:
+        out = tempfile.mkdtemp(dir=args.tools) + "/model.pt"
+        export_model(store, out, key_file=key)
+        digest = Path(out).read_bytes().hex()
+    wall = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {
+        "tool": tool,
+        "way": way,
+        "wall_s": wall,
+        "peak_above_mb": (peak - base) / 1024,
+        "rss_before_mb": base / 1024,
+        "sha": hashlib.sha256(digest.encode()).hexdigest()[:16],
+    }
+
+
+def _tools(args: argparse.Namespace, env: dict[str, str]) -> None:
+    own = sys.argv[1:]
+    root = Path(args.tools)
+    root.mkdir(parents=True, exist_ok=True)
+    if not (root / "store.zarr").exists():
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, __file__, *own, "--child", "train"], check=True, env=env)
+        print(f"trained the job in {time.perf_counter() - t0:.0f} s", flush=True)
+    info = subprocess.run(
+        [sys.executable, __file__, *own, "--child", "info"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    )
+    sizes = json.loads(info.stdout.strip().splitlines()[-1])
+    csc = sizes["csc_mb"]
+    print(
+        f"CSC {csc:.0f} MB, table {sizes['table_mb']:.0f} MB, {sizes['versions']} versions",
+        flush=True,
+    )
+    runs: list[dict[str, Any]] = []
+    for rep in range(args.repeats):
+        for tool in ("audit", "export"):
+            ways = ["stream", "whole"] if rep % 2 == 0 else ["whole", "stream"]
+            got = {}
+            for way in ways:
+                out = subprocess.run(
+                    [sys.executable, __file__, *own, "--child", f"{tool}-{way}"],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    env=env,
+                )
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                runs.append(r)
+                got[way] = r
+                print(
+                    f"run {rep} {tool:6s} {way:6s}: {r['wall_s']:.1f} s, peak RSS "
+                    f"{r['peak_above_mb']:.0f} MB above {r['rss_before_mb']:.0f} MB",
+                    flush=True,
+                )
+            s, w = got["stream"], got["whole"]
+            if s["sha"] != w["sha"]:
+                raise SystemExit(f"{tool}: the two ways differ")
+            print(
+                f"run {rep} {tool} stream / whole: peak RSS above the imports "
+                f"{s['peak_above_mb'] / w['peak_above_mb']:.2f} ({s['peak_above_mb']:.0f} "
+                f"/ {w['peak_above_mb']:.0f} MB, CSC {csc:.0f} MB), wall "
+                f"{s['wall_s'] / w['wall_s']:.2f}x; same {'report' if tool == 'audit' else 'bytes'}",
+                flush=True,
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=50_000)
@@ -118,16 +263,38 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--store-dir", default=None, help="where the store goes (default: /tmp)")
     ap.add_argument(
-        "--child", choices=["whole", "windows", "tiles"], default=None, help=argparse.SUPPRESS
+        "--tools",
+        default=None,
+        metavar="DIR",
+        help="measure audit and export of a job's store in DIR (trained there once)",
     )
+    ap.add_argument("--tools-steps", type=int, default=100)
+    ap.add_argument("--tools-rows", type=int, default=20_000)
+    ap.add_argument("--tools-batch", type=int, default=2048)
+    ap.add_argument("--tools-dim", type=int, default=256)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child == "train":
+        from cocoon_ckpt import run_job
+        from cocoon_ckpt.train.options import JobOptions
+
+        key = JobOptions(key_file=f"{args.tools}/noise.key")
+        run_job(_tools_job(args), f"{args.tools}/store.zarr", options=key)
+        return
+    if args.child == "info":
+        print(json.dumps(_tools_sizes(f"{args.tools}/store.zarr")))
+        return
     if args.child is not None:
-        print(json.dumps(_child(args)))
+        child = _tools_child if args.tools is not None else _child
+        print(json.dumps(child(args)))
         return
     own = sys.argv[1:]
     # the child imports cocoon_ckpt from this checkout, as the parent's caller did
     repo = str(Path(__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    if args.tools is not None:
+        _tools(args, env)
+        return
     runs: list[dict[str, Any]] = []
     for rep in range(args.repeats):
         modes = ["whole", "windows", "tiles"] if rep % 2 == 0 else ["tiles", "windows", "whole"]
