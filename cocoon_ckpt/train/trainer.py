@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from cocoon_ckpt._state_dict import uncompiled
-from cocoon_ckpt.dp.generator import as_noise_rng, generator_backend
+from cocoon_ckpt.dp.generator import NoiseRng, as_noise_rng, generator_backend
 from cocoon_ckpt.dp.sampler import CyclicPoissonSampler
 from cocoon_ckpt.embedding.config import EmbeddingConfig
 from cocoon_ckpt.embedding.engine import TablePlan
@@ -52,6 +52,7 @@ from cocoon_ckpt.train.model_checks import check_scheduler, checked_model
 from cocoon_ckpt.train.noisy_grads import NoisyGradients
 from cocoon_ckpt.train.step_result import StepResult
 from cocoon_ckpt.train.table_noise import table_noise
+from cocoon_ckpt.train.warm import warm_kernels
 from cocoon_ckpt.train.workers import DEFAULT_WORKER_TIMEOUT_S
 from state import hooks
 
@@ -193,6 +194,12 @@ class DPTrainer:
             stop=stop,
             tiers=tiers,
             rng=self.noise_rng,
+        )
+        # numba's start and the kernels' load, off the first step (`train.warm`)
+        warm_kernels(
+            noise_dtype,
+            ziggurat=self.noise_rng is NoiseRng.DEFAULT,
+            threads=torch.get_num_threads(),
         )
         self.sampler = CyclicPoissonSampler(
             dataset_size=config.dataset_size,

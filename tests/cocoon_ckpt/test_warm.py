@@ -1,0 +1,23 @@
+"""`train.warm`: the kernels' warm-up runs once per process and kind, in a daemon thread,
+and the noise it runs beside is the noise without it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cocoon_ckpt.dp.default_noise import BLOCK, keyed_gaussians
+from cocoon_ckpt.train import warm
+
+
+def test_the_warm_up_starts_once_and_changes_no_draw() -> None:
+    key = bytes(range(32))
+    before = keyed_gaussians(key, 3, 0, 3 * BLOCK, np.empty(3 * BLOCK, np.float64), 1.5, 2)
+    first = warm.warm_kernels("float64", ziggurat=True, threads=2)
+    again = warm.warm_kernels("float64", ziggurat=True, threads=2)
+    during = keyed_gaussians(key, 3, 0, 3 * BLOCK, np.empty(3 * BLOCK, np.float64), 1.5, 2)
+    if first is not None:  # None: an earlier test's trainer started it in this process
+        assert first.daemon
+        first.join()
+    assert again is None
+    after = keyed_gaussians(key, 3, 0, 3 * BLOCK, np.empty(3 * BLOCK, np.float64), 1.5, 2)
+    assert np.array_equal(before, during) and np.array_equal(before, after)
