@@ -5,6 +5,8 @@ noise (b = 1) drawn by 1 and 2 ranks instead.
     python bench/distributed.py [--dim 4194304] [--bands 16] [--reps 7] [--worlds 1 2 4]
     python bench/distributed.py --embedding [--rows 1000000] [--emb-dim 16]
         [--step-rows 8192] [--reps 7] [--worlds 1 2]
+    python bench/distributed.py --coalesced [--ranks 2] [--scale 0.01] [--steps 40]
+        [--bands 8] [--batch 512] [--hot-threshold 8] [--rounds 2]
 
 Each world size runs as real processes (gloo on CPU, NCCL where CUDA is present) on
 this machine. A rank keeps only its shard of the (b-1) x dim history, draws its slice of
@@ -21,6 +23,17 @@ each call split evenly by rank, then one all-gather): the median time of a step'
 the last step), slowest rank, with and without the all-gather; the ratio to one process
 measured in the same run; and whether the gathered updates equal one process's bit for
 bit.
+
+--coalesced: the DLRM example's job (Criteo Kaggle's 26 tables times --scale, dim 16,
+Zipf ids) with coalesced embedding noise, run end to end by the real `train` command as
+1 process and as --ranks processes (gloo; each rank precomputes and holds its part of
+every table's CSC and the ranks gather each step's column, `embedding.csc_shards`),
+alternating which goes first over --rounds rounds, one key for all. Printed per run: the
+precompute (slowest rank), the time per training step after it (the job's only
+checkpoint is its last: --checkpoint-every --steps), each as a ratio to the one-process
+run of the same round (the step: the median `train_step`, slowest rank), each rank's
+peak RSS, the CSC bytes each rank held, and whether
+the final tables equal one process's up to the association of the gradient sums.
 """
 
 from __future__ import annotations
@@ -31,6 +44,8 @@ import json
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -171,6 +186,119 @@ def _embedding(args: argparse.Namespace) -> None:
             )
 
 
+#: One rank of the `train` command: its precompute's seconds, its median training step
+#: (`DPTrainer.train_step`, the column gather included), the wall time from the end of
+#: the precompute to the end of the job, its peak RSS and the CSC bytes it held, as JSON
+#: in the file named by argv[1].
+_RANK_RUN = r"""
+import json, resource, statistics, sys, time
+from cocoon_ckpt.embedding import tables
+from cocoon_ckpt.train import trainer
+from cocoon_ckpt._cli.main import main
+
+out, marks, steps = sys.argv[1], {}, []
+prepare = tables.EmbeddingNoise.prepare
+train_step = trainer.DPTrainer.train_step
+
+def timed_step(self, *a, **k):
+    t0 = time.perf_counter()
+    try:
+        return train_step(self, *a, **k)
+    finally:
+        steps.append(time.perf_counter() - t0)
+
+trainer.DPTrainer.train_step = timed_step
+
+def timed(self, *a, **k):
+    secs = prepare(self, *a, **k)
+    marks["precompute_s"], marks["after"] = secs, time.perf_counter()
+    marks["csc_bytes"] = sum(e.csc.nbytes for e in self.engines if e.csc is not None)
+    return secs
+
+tables.EmbeddingNoise.prepare = timed
+code = main(sys.argv[2:])
+marks["train_s"] = time.perf_counter() - marks.pop("after")
+marks["step_s"] = statistics.median(steps)
+marks["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+marks["code"] = code
+open(out, "w").write(json.dumps(marks))
+sys.exit(code)
+"""
+
+
+def _coalesced_run(world: int, args: argparse.Namespace, root: Path, tag: str) -> dict:
+    """The job on `world` ranks (real processes, torchrun's environment); the slowest
+    rank's precompute and training, every rank's RSS and CSC bytes."""
+    store = root / f"{tag}.zarr"
+    train = [
+        *("train", "--example", "dlrm", "--store", str(store), "--key-file", str(root / "k")),
+        *("--job-option", "tables=criteo-kaggle", "--job-option", f"scale={args.scale}"),
+        *("--job-option", "dim=16", "--steps", str(args.steps), "--bands", str(args.bands)),
+        *("--batch-size", str(args.batch), "--dataset-size", str(args.batch * 64)),
+        *("--embedding", "coalesced", "--threat-model", "final_model"),
+        *("--hot-threshold", str(args.hot_threshold), "--checkpoint-every", str(args.steps)),
+        "--no-progress",
+    ]
+    port = str(_port())
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))}
+        if world > 1:
+            env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+            env.update({"WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank)})
+        cmd = [sys.executable, "-c", _RANK_RUN, str(root / f"{tag}-{rank}.json"), *train]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL))
+    if any(p.wait() for p in procs):
+        raise SystemExit(f"the {world}-rank run failed")
+    recs = [json.loads((root / f"{tag}-{r}.json").read_text()) for r in range(world)]
+    from cocoon_ckpt.format.stored import model_state
+    from state import Store
+
+    latest = Store.open(str(store), create=False).latest()
+    assert latest is not None
+    return {
+        "precompute_s": max(r["precompute_s"] for r in recs),
+        "step_s": max(r["step_s"] for r in recs),
+        "train_s": max(r["train_s"] for r in recs),
+        "rss_mib": [r["rss_mib"] for r in recs],
+        "csc_mib": [r["csc_bytes"] / 2**20 for r in recs],
+        "model": {k: np.asarray(v) for k, v in model_state(latest).items() if "tables" in k},
+    }
+
+
+def _coalesced(args: argparse.Namespace) -> None:
+    from cocoon_ckpt.examples.dlrm import table_rows
+
+    rows = sum(table_rows("criteo-kaggle", args.scale))
+    print(
+        f"# DLRM example, Criteo Kaggle x {args.scale} ({rows:,} rows, dim 16), b = "
+        f"{args.bands}, B = {args.batch}, {args.steps} steps, hot threshold "
+        f"{args.hot_threshold}; coalesced noise, 1 process against {args.ranks} ranks "
+        f"(gloo); {os.cpu_count()} cores; load {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        "round  world  precompute  ÷ 1 proc   step     ÷ 1 proc   peak RSS / rank (MiB)"
+        "   CSC / rank (MiB)   tables vs 1 proc"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for rnd in range(args.rounds):
+            order = [1, args.ranks] if rnd % 2 == 0 else [args.ranks, 1]
+            got = {w: _coalesced_run(w, args, root, f"r{rnd}-w{w}") for w in order}
+            one = got[1]
+            for w in (1, args.ranks):
+                r = got[w]
+                diff = max(
+                    float(np.abs(r["model"][k] - one["model"][k]).max()) for k in one["model"]
+                )
+                print(
+                    f"{rnd:>5}  {w:>5}  {r['precompute_s']:8.2f} s  {r['precompute_s'] / one['precompute_s']:7.2f}"
+                    f"   {r['step_s'] * 1e3:6.1f} ms  {r['step_s'] / one['step_s']:7.2f}   "
+                    f"{' '.join(f'{m:.0f}' for m in r['rss_mib']):>20}   "
+                    f"{' '.join(f'{m:.1f}' for m in r['csc_mib']):>16}   max |diff| {diff:.1e}"
+                )
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -187,7 +315,18 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1_000_000, help="--embedding: table rows")
     ap.add_argument("--emb-dim", type=int, default=16, help="--embedding: table width")
     ap.add_argument("--step-rows", type=int, default=8192, help="--embedding: rows a step")
+    ap.add_argument("--coalesced", action="store_true", help="coalesced DLRM job end to end")
+    ap.add_argument("--ranks", type=int, default=2, help="--coalesced: ranks against 1")
+    ap.add_argument("--scale", type=float, default=0.01, help="--coalesced: Criteo scale")
+    ap.add_argument("--steps", type=int, default=40, help="--coalesced: training steps")
+    ap.add_argument("--batch", type=int, default=512, help="--coalesced: batch size")
+    ap.add_argument("--hot-threshold", type=int, default=8, help="--coalesced: hot rows")
+    ap.add_argument("--rounds", type=int, default=2, help="--coalesced: alternating rounds")
     args = ap.parse_args()
+    if args.coalesced:
+        args.bands = args.bands if "--bands" in sys.argv else 8
+        _coalesced(args)
+        return
     if args.embedding:
         args.worlds = args.worlds or [1, 2]
         _embedding(args)

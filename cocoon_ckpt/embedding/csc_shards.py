@@ -3,14 +3,16 @@ share of a table's cold slots, and the ranks gather each step's column.
 
 The shares are ranges of whole precompute tiles. A table's tiles (`precompute`'s
 `tile_rows` slots each, aligned to multiples of it) do not depend on the world size, so
-the ranges do not either beyond which tiles a rank takes: rank r of `world` takes the
-r-th contiguous run of tiles (`share_counts` over the tiles, as lazy noise splits its
-draws). A rank computes only its tiles; every entry is the same bits as the one-process
+the ranges do not either beyond which tiles a rank takes: the tiles are cut into
+`world` contiguous runs (`share_counts` over the tiles, as lazy noise splits its
+draws), and rank r holds run (r + i) mod world of the job's i-th table, so tables of
+fewer tiles than ranks do not all land on rank 0. A rank computes only its tiles; every entry is the same bits as the one-process
 precompute's, because an entry's arithmetic never involves another tile.
 
 Stored, a rank's part is three arrays named by the slot range they cover,
 `emb/<param>/csc/slots-<start>-<stop>/{col_ptr,rows,values}`: a CSC over the same n + 1
-columns holding only the entries of rows whose slot lies in [start, stop). A version
+columns holding only the entries of rows whose slot lies in [start, stop) (an empty run
+is neither stored nor listed). A version
 lists its parts in the table's `csc` record (`parts`); one process's whole CSC is the
 part [H, R) under the old names (`emb/<param>/csc/...`), so a one-rank store is
 unchanged. A resume on any world size reads, for its own range, the parts that overlap
@@ -171,8 +173,11 @@ class StoredParts:
     parts: tuple[tuple[int, int, dict[str, ArrayMeta]], ...]
 
     @classmethod
-    def of_version(cls, version: Version, param: str, record: dict[str, Any]) -> StoredParts:
-        """Table `param`'s CSC parts, as its `csc` record lists them.
+    def of_version(
+        cls, version: Version, param: str, record: dict[str, Any], dim: int | None = None
+    ) -> StoredParts:
+        """Table `param`'s CSC parts, as its `csc` record lists them (`dim`: the table's
+        width, for a table without cold rows, whose record lists no part).
 
         Raises:
             CorruptVersionError: a listed part is not in the version.
@@ -191,8 +196,8 @@ class StoredParts:
                     path=missing[0],
                 )
             parts.append((a, z, {k: version.manifest.arrays[n] for k, n in names.items()}))
-        dim = int(parts[0][2]["values"].shape[1]) if parts else 0
-        return cls(version, param, int(record["steps"]), dim, tuple(parts))
+        width = int(parts[0][2]["values"].shape[1]) if parts else (dim or 0)
+        return cls(version, param, int(record["steps"]), width, tuple(parts))
 
     @property
     def nnz(self) -> int:

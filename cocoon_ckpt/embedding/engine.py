@@ -161,11 +161,14 @@ class TableEngine:
         self.precompute_seconds = 0.0
         self.entries_applied = 0
         self.ranks: CscRanks | None = None
+        self._offset = 0
 
     # several ranks ---------------------------------------------------------------
-    def shard(self, ranks: CscRanks) -> None:
+    def shard(self, ranks: CscRanks, offset: int = 0) -> None:
         """Precompute and hold only this rank's part of the CSC (`embedding.csc_shards`),
-        and gather each step's column from every rank's part."""
+        and gather each step's column from every rank's part. Rank r holds part
+        (r + offset) mod world: a job's tables pass their index, so tables of fewer
+        tiles than ranks (whose later parts are empty) load different ranks."""
         if self.plan.mode is not TableMode.COALESCED or ranks.world == 1:
             return
         if self.csc_window_steps is not None:
@@ -176,6 +179,15 @@ class TableEngine:
                 "(--csc-window-steps), each rank then holds its part of the CSC in memory"
             )
         self.ranks = ranks
+        self._offset = offset
+
+    @property
+    def my_part(self) -> tuple[int, int]:
+        """[start, stop) of the cold slots this rank holds (all of them in one process)."""
+        bounds = self.part_bounds
+        if self.ranks is None:
+            return bounds[0]
+        return bounds[(self.ranks.rank + self._offset) % self.ranks.world]
 
     @property
     def part_bounds(self) -> list[tuple[int, int]]:
@@ -190,10 +202,9 @@ class TableEngine:
 
     def _part(self, csc: CoalescedCSC) -> CscPart:
         bounds = self.part_bounds
-        rank = 0 if self.ranks is None else self.ranks.rank
         counts = self.schedule.counts
         entries = [part_entries(counts, self.order, a, z) for a, z in bounds]
-        return CscPart.of(csc, *bounds[rank], bounds, entries)
+        return CscPart.of(csc, *self.my_part, bounds, entries)
 
     # the precompute --------------------------------------------------------------
     @property
@@ -245,7 +256,7 @@ class TableEngine:
         t0 = time.perf_counter()
         tiles = None
         if self.ranks is not None:  # this rank's tiles only; none kept in the store
-            a, z = self.part_bounds[self.ranks.rank]
+            a, z = self.my_part
             cuts = [
                 e for e in tile_edges(self.plan.hot, self.rows, self._tile_rows()) if a <= e <= z
             ]
@@ -339,8 +350,7 @@ class TableEngine:
                 )
             slot_of = np.empty_like(self.order)
             slot_of[self.order] = np.arange(self.order.size, dtype=slot_of.dtype)
-            rank = 0 if self.ranks is None else self.ranks.rank
-            a, z = self.part_bounds[rank]
+            a, z = self.my_part
             self._drop_csc()
             mine = load_range(csc, slot_of, a, z)
             self.csc = self._part(mine) if self.ranks is not None else mine

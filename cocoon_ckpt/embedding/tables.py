@@ -237,8 +237,8 @@ class EmbeddingNoise:
         Raises:
             ConfigError: `csc_window_steps` is set (windows read one process's arrays).
         """
-        for e in self.engines:
-            e.shard(ranks)
+        for i, e in enumerate(self.engines):
+            e.shard(ranks, offset=i)
 
     @property
     def prepared(self) -> bool:

@@ -113,6 +113,8 @@ def encode(state: TrainerState, parent: Manifest | None) -> Encoded[EmbeddingRec
 
 def _part_arrays(param: str, part: CscPart) -> dict[str, np.ndarray]:
     """A rank's CSC part by its stored names (`embedding.csc_shards.part_name`)."""
+    if part.stop == part.start:  # a rank with no tile of this table holds nothing
+        return {}
     return {part_name(param, part.start, part.stop, k): getattr(part, k) for k in CSC_PARTS}
 
 
@@ -127,6 +129,7 @@ def _parts_record(part: CscPart, dim: int) -> CscRecord:
         "parts": [
             {"start": a, "stop": z, "entries": e}
             for (a, z), e in zip(part.bounds, part.entries, strict=True)
+            if z > a
         ],
     }
 
@@ -189,7 +192,7 @@ def decode(
         stored = rec["csc"]
         csc: StoredCSC | StoredParts | None = None
         if stored is not None and "parts" in stored:  # written by several ranks
-            csc = StoredParts.of_version(version, param, dict(stored))
+            csc = StoredParts.of_version(version, param, dict(stored), rec["dim"])
         elif stored is not None:
             csc = StoredCSC.of_version(version, param)
         arrays.append(
