@@ -18,7 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from cocoon_ckpt.embedding.csc import CoalescedCSC
+from cocoon_ckpt.embedding.csc_shards import whole_csc
 from cocoon_ckpt.embedding.csc_window import CSC_PARTS, CscWindows, StoredCSC, verify_part
+from cocoon_ckpt.format.stored import records_of
 from cocoon_ckpt.layout import emb_name
 from state import CorruptVersionError, Manifest, Version
 
@@ -115,7 +117,8 @@ def verify_version(version: Version) -> None:
 
 def open_csc(version: Version, param: str) -> CoalescedCSC | CscWindows:
     """Table `param`'s CSC in `version`, verified: read in windows (`window_steps`), or
-    whole. Close it with `close`.
+    whole (several ranks' parts merged whole, `embedding.csc_shards.whole_csc`). Close
+    it with `close`.
 
     Raises:
         KeyError: the version holds no CSC for `param`.
@@ -123,6 +126,12 @@ def open_csc(version: Version, param: str) -> CoalescedCSC | CscWindows:
             column pointer.
         ValueError: a CSC read whole whose column pointer does not fit its entries.
     """
+    emb = records_of(version).get("embedding")
+    for table in emb["tables"] if emb else []:
+        csc = table["csc"]
+        if table["param"] == param and csc is not None and "parts" in csc:
+            # written by several ranks: their parts merged, the one-process CSC's bits
+            return whole_csc(version, param, dict(csc))
     steps = window_steps(version.manifest, param)
     if steps is not None:
         return CscWindows(StoredCSC.of_version(version, param), steps)

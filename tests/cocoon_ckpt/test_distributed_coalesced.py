@@ -185,6 +185,12 @@ def test_two_ranks_apply_the_one_process_coalesced_noise(runs: Path) -> None:
             assert sa[:2] == sb[:2]
             x, y = np.asarray(a.array(sa[2]))[sa[3]], np.asarray(b.array(sb[2]))[sb[3]]
             assert np.array_equal(x, y)
+    # audit reads the parts: the schedule's cold reads and random entries recomputed
+    audit = [sys.executable, "-m", "cocoon_ckpt", "audit", str(runs / "two.zarr")]
+    audit += ["--key-file", str(runs / "k"), "--example", "dlrm"]
+    done = subprocess.run(audit, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:]
+    assert "FINDING" not in done.stdout and "bit_identical=" in done.stdout
 
 
 @pytest.mark.slow
