@@ -22,6 +22,11 @@ Workloads (`--only` picks some):
                physical chunks of 32, 4 bands
   dlrm         bench/dlrm.py's coalesced DLRM (Criteo Kaggle tables x `--dlrm-scale`,
                dim 16, batch 1024, 8 bands), the two trainers sharing one CSC
+  digits-cli   the digits job whole, as docs/getting-started.md runs it: `cocoon-ckpt train
+               --job examples.digits.run:build --steps 44 ...` in a fresh process per
+               run (start-up, 44 steps, checkpoints every 11 steps), `--grad-threads 1`
+               against `--grad-threads N`; seconds per job, and the CPU time is the
+               child's (`RUSAGE_CHILDREN`)
   gpt-vmap     bench/scale.py's transformer (`--d`, `--depth`, seq 32), logical batch 8
   gpt-ghost    in physical chunks of 4, 4 bands, clipping vmap / ghost
 
@@ -33,8 +38,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -53,7 +62,37 @@ from cocoon_ckpt.train.grad_threads import default_grad_threads  # noqa: E402
 from cocoon_ckpt.train.trainer import DPTrainer  # noqa: E402
 
 Step = Callable[[], Any]
-WORKLOADS = ("mlp", "mlp-wide", "dp-digits", "digits-job", "dlrm", "gpt-vmap", "gpt-ghost")
+WORKLOADS = (
+    "mlp",
+    "mlp-wide",
+    "dp-digits",
+    "digits-job",
+    "digits-cli",
+    "dlrm",
+    "gpt-vmap",
+    "gpt-ghost",
+)
+#: the digits job of examples/digits/run.py's docstring, 4 epochs of 11 steps
+DIGITS_CLI = [
+    "train",
+    "--job",
+    "examples.digits.run:build",
+    "--steps",
+    "44",
+    "--batch-size",
+    "128",
+    "--physical-batch-size",
+    "32",
+    "--dataset-size",
+    "1437",
+    "--lr",
+    "0.5",
+    "--bands",
+    "4",
+    "--checkpoint-every",
+    "11",
+    "--no-progress",
+]
 
 
 def pair(
@@ -146,7 +185,53 @@ def timed(step: Step, steps: int) -> tuple[float, float]:
     return (time.perf_counter() - w) / steps, (time.process_time() - c) / steps
 
 
+def cli_job(threads: int, folder: Path) -> tuple[float, float]:
+    """Seconds of one whole digits job in a fresh process at `threads` gradient threads,
+    (wall, the child's CPU)."""
+    store = folder / f"d{threads}-{time.perf_counter_ns()}.zarr"
+    cmd = [sys.executable, "-m", "cocoon_ckpt", *DIGITS_CLI, "--store", str(store)]
+    cmd += ["--key-file", str(folder / "key"), "--grad-threads", str(threads)]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    w = time.perf_counter()
+    subprocess.run(cmd, check=True, cwd=HERE.parent, capture_output=True)
+    wall = time.perf_counter() - w
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    shutil.rmtree(store)
+    return wall, cpu
+
+
+def compare_cli(args: argparse.Namespace) -> None:
+    got: dict[int, list[tuple[float, float]]] = {1: [], args.threads: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            order = [1, args.threads] if r % 2 == 0 else [args.threads, 1]
+            for n in order:
+                got[n].append(cli_job(n, Path(tmp)))
+    report(f"digits-cli (the whole job, {args.rounds} rounds)", "s/job", 1.0, got, args)
+
+
+def report(
+    head: str, unit: str, scale: float, got: dict[int, list[tuple[float, float]]], args: Any
+) -> None:
+    print(head + ":")
+    for k, clock in enumerate(("wall", "cpu")):
+        a = [x[k] for x in got[1]]
+        b = [x[k] for x in got[args.threads]]
+        ratios = [p / q for p, q in zip(a, b, strict=True)]
+        print(
+            f"  {clock:4s} {unit}: 1 thread {statistics.median(a) * scale:8.2f}  "
+            f"{args.threads} threads {statistics.median(b) * scale:8.2f}  "
+            f"1/{args.threads}: median {statistics.median(ratios):.2f} "
+            f"(rounds {min(ratios):.2f}-{max(ratios):.2f})"
+        )
+    sys.stdout.flush()
+
+
 def compare(name: str, args: argparse.Namespace) -> None:
+    if name == "digits-cli":
+        compare_cli(args)
+        return
     total = 2 * args.rounds * args.steps + 2 * args.warmup + 10
     one, many, step1, step_n = pair(name, args, total)
     one.grad_threads, many.grad_threads = 1, args.threads
@@ -161,21 +246,11 @@ def compare(name: str, args: argparse.Namespace) -> None:
     for t in (one, many):
         t.close()
     params = sum(p.numel() for p in one.model.parameters())
-    print(
+    head = (
         f"{name} ({params:,} params, m = {one.dim:,} dense: new jobs' default "
-        f"{default_grad_threads(one.dim)}), {args.rounds} rounds x {args.steps} steps:"
+        f"{default_grad_threads(one.dim)}), {args.rounds} rounds x {args.steps} steps"
     )
-    for k, clock in enumerate(("wall", "cpu")):
-        a = [x[k] for x in got[1]]
-        b = [x[k] for x in got[args.threads]]
-        ratios = [p / q for p, q in zip(a, b, strict=True)]
-        print(
-            f"  {clock:4s} ms/step: 1 thread {statistics.median(a) * 1e3:8.2f}  "
-            f"{args.threads} threads {statistics.median(b) * 1e3:8.2f}  "
-            f"1/{args.threads}: median {statistics.median(ratios):.2f} "
-            f"(rounds {min(ratios):.2f}-{max(ratios):.2f})"
-        )
-    sys.stdout.flush()
+    report(head, "ms/step", 1e3, got, args)
 
 
 def main() -> None:
