@@ -25,9 +25,12 @@ import numpy as np
 import pytest
 import torch
 
+from cocoon_ckpt import BandMF
+from cocoon_ckpt.embedding import AccessSchedule, TableEngine, TablePlan, TableSpec
 from cocoon_ckpt.embedding.config import EmbeddingConfig, TableMode
 from cocoon_ckpt.embedding.csc import CoalescedCSC
 from cocoon_ckpt.embedding.csc_shards import (
+    CscPart,
     merge,
     part_bounds,
     restrict,
@@ -243,6 +246,48 @@ def test_parts_are_whole_tiles_that_split_every_cold_slot_once(
     assert len(bounds) == world and bounds[0][0] == hot and bounds[-1][1] == rows
     assert all(a == z0 for (_, z0), (a, _) in zip(bounds[:-1], bounds[1:], strict=False))
     assert all(a in edges and z in edges for a, z in bounds)
+
+
+class _Rank:
+    """Rank `rank` of `world`, without a process group: the precompute needs none."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        raise AssertionError("the precompute is not a collective")
+
+
+@pytest.mark.parametrize("world", [2, 3, 7])
+@pytest.mark.parametrize("offset", [0, 1, 5])
+def test_each_rank_precomputes_its_part_of_the_one_process_csc(world: int, offset: int) -> None:
+    rng = np.random.default_rng(0)
+    rows, steps, dim, hot = 90, 10, 3, 5  # tiles of 16: [5, 16), ..., [80, 90): 6 tiles
+    sched = AccessSchedule.from_step_rows(rows, [rng.choice(rows, 12) for _ in range(steps)])
+    mech = BandMF.banded_sqrt(4, steps)
+
+    def engine() -> TableEngine:
+        plan = TablePlan(TableMode.COALESCED, hot, None, {})
+        spec = TableSpec(param="emb.weight", data_index=0, column=0)
+        factors = np.full(steps, 0.1)
+        return TableEngine(
+            spec, rows, dim, mech, bytes(32), 0.7, torch.float64, sched, factors, plan, 16
+        )
+
+    whole = engine().precompute()
+    parts = []
+    for rank in range(world):
+        e = engine()
+        e.shard(_Rank(rank, world), offset)
+        part = e.precompute()
+        assert isinstance(part, CscPart)
+        parts.append(part)
+    # every run of tiles is held by exactly one rank (one run is empty at 7 ranks)
+    assert sorted((p.start, p.stop) for p in parts) == sorted(parts[0].bounds)
+    for p in parts:
+        assert p.nnz == p.entries[p.bounds.index((p.start, p.stop))]
+    assert sum(parts[0].entries) == whole.nnz
+    _same_csc(merge(steps, parts, dim, whole.values.dtype), whole)
 
 
 def test_restricted_parts_merge_to_the_whole_csc() -> None:
