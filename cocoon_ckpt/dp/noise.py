@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from cocoon_ckpt.dp.default_noise import BLOCK, block_entropy, keyed_gaussians
+from cocoon_ckpt.dp.elementwise import sub_div_
 from cocoon_ckpt.dp.generator import (
     GENERATOR_BACKEND,
     NoiseRng,
@@ -238,8 +239,8 @@ def bandmf_step(
             dtype: it is cast to the ring's first).
         after_gemv: called with t once the GEMV is done, before the ring is written
             (a crash point).
-        in_place: w_t is computed into `z` itself (the same two kernels, the same
-            bits): for a caller whose `z` is its own fresh buffer, which saves two
+        in_place: w_t is computed into `z` itself (one pass, the same bits:
+            `cocoon_ckpt.dp.elementwise`): for a caller whose `z` is its own fresh buffer, which saves two
             (width,) allocations a step (each a fresh 343 MB at 85.9M parameters, whose
             new pages cost more than the arithmetic).
         scratch: a (width,) host array of the ring's dtype the GEMV writes into (the
@@ -259,7 +260,7 @@ def bandmf_step(
     if after_gemv is not None:
         after_gemv(t)
     if in_place:
-        w = torch.sub(z, torch.from_numpy(h), out=z).div_(c0)
+        w = sub_div_(z, h, c0)  # one pass, the bits of the two kernels below
     else:
         w = (z - torch.from_numpy(h)) / c0
     history.write(t % slots, w.numpy())  # the ring keeps the Toeplitz recursion's C_T^-1 z

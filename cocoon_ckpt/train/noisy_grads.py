@@ -8,6 +8,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from cocoon_ckpt.dp.elementwise import add_div_into
+
 __all__ = ["NoisyGradients"]
 
 
@@ -54,10 +56,9 @@ class NoisyGradients:
             for p, g in zip(self.params, torch.split(noisy, self.sizes), strict=True):
                 p.grad = g.view(p.shape).to(p.dtype)
             return
-        # the same two kernels as (summed + w) / B, written into the kept buffer (which
-        # may be `summed` itself: an elementwise add may write over its input)
-        torch.add(summed, w, out=flat)
-        flat.div_(self.batch_size)
+        # (summed + w) / B with the bits of torch's two kernels, in one pass into the
+        # kept buffer (which may be `summed` itself: each element is read, then written)
+        add_div_into(flat, summed, w, self.batch_size)
         for p, g in zip(self.params, self._views, strict=True):
             if p.grad is not g:  # first step, or someone set it to None or replaced it
                 p.grad = g

@@ -1,7 +1,8 @@
 """The DP step's kept buffers: w_t drawn into the trainer's buffer, the GEMV's h into the
-noise's, a ghost clipped sum into the gradient buffer. Each gives the bits of the fresh
-tensors it replaces (noise, gradients, parameters), and the buffers are the same memory
-from step to step (no fresh (dim,) pages a step)."""
+noise's, a ghost clipped sum into the gradient buffer, and the one-pass elementwise
+kernels. Each gives the bits of the fresh tensors and torch kernels it replaces (noise,
+gradients, parameters), and the buffers are the same memory from step to step (no
+fresh (dim,) pages a step)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from torch import nn
 
 from cocoon_ckpt import DPConfig
 from cocoon_ckpt.dp.bandmf_noise import BandMFNoise
-from cocoon_ckpt.dp.gemv import mix_history
+from cocoon_ckpt.dp.elementwise import add_div_into, sub_div_
+from cocoon_ckpt.dp.gemv import COMPILED_MIN_ELEMENTS, mix_history
 from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.dp.noise import KeyedNoise
 from cocoon_ckpt.dp.ring import HostRing
@@ -157,3 +159,28 @@ def test_a_ghost_sum_into_a_buffer_is_the_sum() -> None:
     assert got.summed is out and torch.equal(out, want.summed) and got.loss == want.loss
     with pytest.raises(ValueError, match="out is"):
         grads.clipped_sum(batch, 0.5, 4, out=torch.empty(3))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_one_pass_kernels_give_torchs_two_kernels_bits(dtype: Any) -> None:
+    n = COMPILED_MIN_ELEMENTS + 77  # the compiled loop runs from here on
+    rng = np.random.default_rng(3)
+    z = torch.from_numpy((rng.standard_normal(n) * 3).astype(dtype))
+    h = (rng.standard_normal(n) * 2).astype(dtype)
+    special = [0.0, -0.0, float("inf"), float("nan"), 1e-40, -1e-38, 1e30]
+    z[: len(special)] = torch.tensor(special, dtype=z.dtype)
+    h[: len(special)] = [0.0, 0.0, 1.0, 2.0, 1e-40, 3e-39, -1e30]
+    bits = torch.int32 if dtype == np.float32 else torch.int64
+    for c0 in (1.0, 1.3, 0.7071067811865476, 1 / 3):
+        want = (z - torch.from_numpy(h)) / c0
+        got = z.clone()
+        assert sub_div_(got, h, c0) is got
+        assert torch.equal(got.view(bits), want.view(bits))
+    w = torch.from_numpy(rng.standard_normal(n).astype(dtype))
+    for b in (1, 3, 8, 1000):
+        want = torch.add(z, w).div_(b)
+        out = torch.empty_like(z)
+        assert add_div_into(out, z, w, b) is out
+        assert torch.equal(out.view(bits), want.view(bits))
+        same = z.clone()  # the sum's own buffer as the output
+        assert torch.equal(add_div_into(same, same, w, b).view(bits), want.view(bits))

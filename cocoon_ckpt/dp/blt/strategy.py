@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from cocoon_ckpt._state_dict import check_state
+from cocoon_ckpt.dp.elementwise import sub_div_
 from cocoon_ckpt.dp.mechanism import MechanismKind
 from cocoon_ckpt.dp.ring import RingHistory
 
@@ -330,7 +331,7 @@ def blt_step(
     if after_gemv is not None:
         after_gemv(t)
     if in_place:
-        w = torch.sub(z, torch.from_numpy(h), out=z).div_(blt.c0)
+        w = sub_div_(z, h, blt.c0)
     else:
         w = (z - torch.from_numpy(h)) / blt.c0
     w_np = w.numpy()
