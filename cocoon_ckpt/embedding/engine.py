@@ -56,6 +56,14 @@ log = logging.getLogger(__name__)
 _NP: dict[torch.dtype, type[np.floating]] = {torch.float32: np.float32, torch.float64: np.float64}
 
 
+def by_row(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's (rows, values) of one column as one column sorted by row, as the
+    one-process column is (a row is in one rank's part only)."""
+    every = np.concatenate([p[0] for p in parts])
+    order = np.argsort(every, kind="stable")
+    return every[order], np.concatenate([p[1] for p in parts])[order]
+
+
 @dataclass(frozen=True, slots=True)
 class TablePlan:
     """The path a table takes, fixed for the whole job (recorded in every manifest)."""
@@ -416,10 +424,22 @@ class TableEngine:
         one-process column is: a row is in one rank's part only."""
         if self.ranks is None:
             return rows, vals
-        got = self.ranks.all_gather_object((rows, vals))
-        every = np.concatenate([g[0] for g in got])
-        by_row = np.argsort(every, kind="stable")
-        return every[by_row], np.concatenate([g[1] for g in got])[by_row]
+        return by_row(self.ranks.all_gather_object((rows, vals)))
+
+    @property
+    def sharded(self) -> bool:
+        """This rank holds only its part of the CSC (`shard`)."""
+        return self.ranks is not None
+
+    def my_column(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """Column t of this rank's part (t = steps: its tails)."""
+        if not isinstance(self.csc, CoalescedCSC):
+            raise RuntimeError(f"table {self.spec.param}: precompute() has not run")
+        return self.csc.column(t)
+
+    def apply_parts(self, weight: torch.Tensor, parts: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Apply a column gathered from every rank's part (in rank order)."""
+        self._apply(weight, *by_row(parts))
 
     def _apply(self, weight: torch.Tensor, rows: np.ndarray, vals: np.ndarray) -> None:
         if rows.size:

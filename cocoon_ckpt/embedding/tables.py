@@ -89,6 +89,7 @@ class EmbeddingNoise:
     ) -> None:
         check_tables(model, config.tables, data)
         self.config = config
+        self._ranks: CscRanks | None = None
         self._tile_mac_key = tile_mac_key(key)  # the kept precompute tiles' MACs
         self.optimizer = optimizer
         self.batch_size = batch_size
@@ -239,6 +240,7 @@ class EmbeddingNoise:
         """
         for i, e in enumerate(self.engines):
             e.shard(ranks, offset=i)
+        self._ranks = ranks if any(e.sharded for e in self.engines) else None
 
     @property
     def prepared(self) -> bool:
@@ -249,8 +251,22 @@ class EmbeddingNoise:
         if not self.prepared:
             self.prepare()
         with torch.no_grad():
+            self._gathered_columns(t)
             for e, p in zip(self.engines, self.params, strict=True):
-                e.before_read(t, p.data)
+                if not e.sharded:
+                    e.before_read(t, p.data)
+
+    def _gathered_columns(self, t: int) -> None:
+        """On several ranks: column t of every sharded table, from every rank's part,
+        in one all-gather for all tables (a collective per table cost a scheduling
+        wait each on a loaded machine), applied as each one process's column."""
+        if self._ranks is None:
+            return
+        mine = [e.my_column(t) if e.sharded else None for e in self.engines]
+        every = self._ranks.all_gather_object(mine)
+        for i, (e, p) in enumerate(zip(self.engines, self.params, strict=True)):
+            if e.sharded:
+                e.apply_parts(p.data, [rank[i] for rank in every])
 
     def set_grads(self, grads: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Dense tables: .grad = (clipped rows + w_t) / B, stepped by the optimizer."""
@@ -281,8 +297,10 @@ class EmbeddingNoise:
     def finish(self) -> None:
         """After the last step: every cold row's tail."""
         with torch.no_grad():
+            self._gathered_columns(self.steps)  # the sharded tables' tails
             for e, p in zip(self.engines, self.params, strict=True):
-                e.finish(p.data)
+                if not e.sharded:
+                    e.finish(p.data)
 
     def history_bytes(self) -> int:
         return sum(e.history_bytes() for e in self.engines)

@@ -144,7 +144,8 @@ def _precompute(
     emb = trainer.embedding
     if emb is None or emb.prepared:
         return
-    total = sum(e.rows - e.plan.hot for e in emb.engines if e.needs_precompute)
+    # this rank's cold slots (all of them in one process: `TableEngine.my_part`)
+    total = sum(e.my_part[1] - e.my_part[0] for e in emb.engines if e.needs_precompute)
     done = [0]
 
     def progress(rows: int) -> None:
