@@ -3,14 +3,18 @@
     python bench/stall.py [--dim 8000000] [--bands 8] [--every 4] [--rounds 4]
 
 One trainer (the mlp example at ~`--dim` parameters), steps timed one by one:
-- first: the first step of a fresh trainer against the median steady step;
+- first: the first step of a fresh trainer against the median steady step, and where
+  each spends its time (the clipped sum, the fresh noise, the ring's GEMV and write, the
+  noisy gradients, the optimizer; "rest" is the step's own bookkeeping);
 - per round, in an order that alternates round by round, the step right after
   - `plain`: nothing,
   - `snap`: a snapshot taken and dropped (its copies into fresh memory, no write),
   - `async`: an asynchronous checkpoint (snapshot, then the write in the background),
   - `async-nice0`: the same with the writer thread at nice 0 (what a version below
     `BULK_BYTES` gets; the lowered writer is what lowering buys);
-  each against `plain`, with the snapshot's own time on the training thread.
+  each against `plain` (wall, and the training thread's own CPU time: the rest of a
+  stall is the writer and the machine's load taking the cores), with the snapshot's own
+  time on the training thread.
 Every ratio is a median over `--rounds` rounds of this run. Prints the machine's load.
 """
 
@@ -23,6 +27,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 from cocoon_ckpt import DPConfig, JobConfig
 from cocoon_ckpt.format.metrics import TrainingMetrics
@@ -36,6 +41,51 @@ def timed(fn: Callable[[], object]) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+class PhaseClock:
+    """Seconds per phase of the steps taken while `on`: the trainer's parts are wrapped
+    (instance attributes shadow their methods; nothing they compute changes)."""
+
+    PHASES = (
+        ("_clipped", "clipped sum"),
+        ("noise.fresh_noise.fresh", "fresh noise"),
+        ("noise.history.gemv", "ring GEMV"),
+        ("noise.history.write", "ring write"),
+        ("_noisy.set", "noisy grads"),
+        ("optimizer.step", "optimizer"),
+    )
+
+    def __init__(self, trainer: Any) -> None:
+        self.on = False
+        self.spent: dict[str, float] = {}
+        for path, label in self.PHASES:
+            *owner_path, name = path.split(".")
+            owner = trainer
+            for part in owner_path:
+                owner = getattr(owner, part, None)
+            if owner is not None and hasattr(owner, name):
+                setattr(owner, name, self._wrap(getattr(owner, name), label))
+
+    def _wrap(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+        def timed_call(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                if self.on:
+                    self.spent[label] = self.spent.get(label, 0.0) + time.perf_counter() - t
+
+        return timed_call
+
+    def step(self, trainer: Any) -> tuple[float, dict[str, float]]:
+        """One step: its seconds and its seconds per phase ("rest": the remainder)."""
+        self.spent, self.on = {}, True
+        total = timed(trainer.train_step)
+        self.on = False
+        spent = dict(self.spent)
+        spent["rest"] = total - sum(spent.values())
+        return total, spent
 
 
 def main() -> None:
@@ -62,13 +112,22 @@ def run(args: argparse.Namespace, root: str) -> None:
         ),
         options={"hidden": max(1, args.dim // 25)},
     )
+    built = time.perf_counter()
     trainer = build_trainer(cfg, bytes(32))
-    first = timed(trainer.train_step)
-    steady = [timed(trainer.train_step) for _ in range(args.bands + 1)]
+    built = time.perf_counter() - built
+    clock = PhaseClock(trainer)
+    first, first_phases = clock.step(trainer)
+    runs = [clock.step(trainer) for _ in range(args.bands + 1)]
+    steady = [s for s, _ in runs]
     print(
-        f"dim {trainer.dim}: first step {first * 1e3:.0f} ms, steady {statistics.median(steady) * 1e3:.0f}"
-        f" ms, ratio {first / statistics.median(steady):.2f}"
+        f"dim {trainer.dim}: build {built * 1e3:.0f} ms, first step {first * 1e3:.0f} ms, steady "
+        f"{statistics.median(steady) * 1e3:.0f} ms, ratio {first / statistics.median(steady):.2f}"
     )
+    for label in first_phases:
+        mid = statistics.median(p.get(label, 0.0) for _, p in runs)
+        print(
+            f"  {label:<12} first {first_phases[label] * 1e3:7.0f} ms, steady {mid * 1e3:7.0f} ms"
+        )
     records: dict[str, object] = dict(job_records(cfg, trainer, bytes(32), None))
     records.setdefault("metrics", TrainingMetrics().to_record(0))
     stores = {}
@@ -81,6 +140,9 @@ def run(args: argparse.Namespace, root: str) -> None:
         stores[mode] = ck
     modes = ["plain", "snap", "async", "async-nice0"]
     after: dict[str, list[float]] = {m: [] for m in modes}
+    # the training thread's own CPU seconds in that step: what it does, not what the
+    # writer and the machine's other load take from it
+    own: dict[str, list[float]] = {m: [] for m in modes}
     snap_t: list[float] = []
     write_t: dict[str, list[float]] = {"async": [], "async-nice0": []}
     save_t: dict[str, list[float]] = {"async": [], "async-nice0": []}  # training thread
@@ -96,7 +158,9 @@ def run(args: argparse.Namespace, root: str) -> None:
                 t0 = time.perf_counter()
                 ck.save(trainer, dict(records))
                 save_t[mode].append(time.perf_counter() - t0)
+            c = time.thread_time()
             after[mode].append(timed(trainer.train_step))
+            own[mode].append(time.thread_time() - c)
             if mode.startswith("async"):
                 stores[mode].wait()
                 write_t[mode].append(time.perf_counter() - t0)
@@ -106,7 +170,11 @@ def run(args: argparse.Namespace, root: str) -> None:
     print(f"step after nothing: {base * 1e3:.0f} ms (median of {args.rounds})")
     for mode in modes[1:]:
         m = statistics.median(after[mode])
-        print(f"step after {mode}: {m * 1e3:.0f} ms, ratio {m / base:.2f}")
+        mine = statistics.median(own[mode]) / statistics.median(own["plain"])
+        print(
+            f"step after {mode}: {m * 1e3:.0f} ms, ratio {m / base:.2f}; the training "
+            f"thread's CPU time ratio {mine:.2f}"
+        )
     print(f"dropped snapshot (fresh buffers): {statistics.median(snap_t) * 1e3:.0f} ms")
     for mode, ts in write_t.items():
         print(

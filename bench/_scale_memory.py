@@ -1,0 +1,296 @@
+"""Peak RSS of our DP step at scale, broken down by owner and by phase
+(`python bench/scale.py --85m --memory`; #31 item 2).
+
+One subprocess per clipping mode (ghost, vmap) runs the model of bench/scale.py in
+`DPTrainer` for 9 steps and takes an asynchronous checkpoint every 4 into a store in
+`--far-dir` (default /var/tmp), so steps with a write in flight are measured too. Around each phase of a step (the clipped sum, the fresh noise, the
+ring's GEMV, the ring write, the noisy gradients, the optimizer, the snapshot) the
+process's high-water mark is reset (/proc/self/clear_refs) and read back, so each
+phase's peak is its own; tracemalloc counts the numpy buffers beside it (the ring, the
+GEMV's output, snapshot copies), torch's CPU tensors being invisible to it.
+
+Owners are the live objects' bytes at the step's end: model, gradients, optimizer state,
+ring, the last w_t the trainer keeps, snapshot buffers kept for reuse, the copies of the
+snapshot in flight and the ring rows lent to it (views of the ring, no memory); what
+the peak holds beyond them is the phase's transients plus the allocator's slack
+(glibc gives arrays this large their own mappings and unmaps them when freed, so a freed
+array leaves nothing behind, and every new one is first-touched again).
+
+The bound (#31 item 2): the non-private step's peak + the ring + one per-sample chunk
+(what the clipped sum alone peaks above the non-private step, run in its own process)
++ one model, +10%.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+MIB = 1 << 20
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+class Phases:
+    """Per-phase peak RSS (VmHWM reset at every boundary) and numpy peak (tracemalloc)."""
+
+    def __init__(self) -> None:
+        self.label = "other"
+        self.stack: list[str] = []
+        self.peak: dict[str, float] = {}  # label -> peak RSS MiB
+        self.rise: dict[str, float] = {}  # label -> peak above the RSS at its entry, MiB
+        self.np_rise: dict[str, float] = {}  # label -> numpy peak above its entry, MiB
+        self._entry_rss = _status_kib("VmRSS") / 1024
+        self._entry_np = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self._entry_rss = _status_kib("VmRSS") / 1024
+        tracemalloc.reset_peak()
+        self._entry_np = tracemalloc.get_traced_memory()[0] / MIB
+
+    def _close(self) -> None:
+        hwm = _status_kib("VmHWM") / 1024
+        np_peak = tracemalloc.get_traced_memory()[1] / MIB
+        lab = self.label
+        self.peak[lab] = max(self.peak.get(lab, 0.0), hwm)
+        self.rise[lab] = max(self.rise.get(lab, 0.0), hwm - self._entry_rss)
+        self.np_rise[lab] = max(self.np_rise.get(lab, 0.0), np_peak - self._entry_np)
+
+    def enter(self, label: str) -> None:
+        self._close()
+        self.stack.append(self.label)
+        self.label = label
+        self._reset()
+
+    def leave(self) -> None:
+        self._close()
+        self.label = self.stack.pop()
+        self._reset()
+
+    def wrap(self, obj: Any, name: str, label: str) -> None:
+        """Time `obj.name` as phase `label` (an instance attribute shadows the method)."""
+        fn: Callable[..., Any] = getattr(obj, name)
+
+        def wrapped(*a: Any, **kw: Any) -> Any:
+            self.enter(label)
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.leave()
+
+        setattr(obj, name, wrapped)
+
+
+def _owners(trainer: Any, ck: Any) -> dict[str, float]:
+    """Bytes (MiB) of the live owners the trainer and checkpointer hold now."""
+    import torch
+
+    from cocoon_ckpt.format.snapshot import BUFFERS
+
+    model = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    flat = getattr(trainer._noisy, "_flat", None)
+    grads = flat.numel() * flat.element_size() if flat is not None else 0
+    opt = sum(
+        v.numel() * v.element_size()
+        for st in trainer.optimizer.state.values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor)
+    )
+    last = trainer.last_noise
+    kept = sum(a.nbytes for free in BUFFERS._free.values() for a in free)
+    snap = ck._writing if ck is not None else None
+    arrays = list(snap.arrays.values()) if snap is not None else []
+    # a lent ring row is a view of the ring (owns nothing); a copied-out row owns its bytes
+    writing = sum(a.nbytes for a in arrays if a.base is None)
+    lent = sum(a.nbytes for a in arrays if a.base is not None)
+    return {
+        "model": model / MIB,
+        "gradients (flat)": grads / MIB,
+        "optimizer state": opt / MIB,
+        "ring": trainer.noise.history_bytes() / MIB,
+        "last w_t kept": (last.numel() * last.element_size() if last is not None else 0) / MIB,
+        "snapshot buffers kept": kept / MIB,
+        "snapshot in flight (copies)": writing / MIB,
+        "ring rows lent to it (no copy)": lent / MIB,
+    }
+
+
+def child(spec: dict[str, Any]) -> None:
+    """One instrumented DP step run in this process: prints one JSON line."""
+    import scale  # bench/ is on sys.path: this file runs as a script from there
+    import torch
+
+    from cocoon_ckpt.train import checkpoint as ckpt_mod
+    from cocoon_ckpt.train.job_records import REQUIRED
+    from state import Store
+
+    torch.set_num_threads(spec["threads"])
+    tracemalloc.start()
+    rss = {"imports": _status_kib("VmRSS") / 1024}
+    model, x, y = scale.make(spec)
+    rss["model built"] = _status_kib("VmRSS") / 1024
+    b = spec["batch"]
+    batches = [(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b]) for i in range(64)]
+    step = scale._step(
+        spec["kind"], model, torch.nn.functional.cross_entropy, spec, batches, torch.device("cpu")
+    )
+    trainer = step.trainer
+    rss["trainer built (ring allocated)"] = _status_kib("VmRSS") / 1024
+    root = tempfile.mkdtemp(dir=spec["memory_dir"])
+    store = Store.open(os.path.join(root, "s.zarr"))
+    store.acquire_lease()
+    ck = ckpt_mod.Checkpointer(store, async_write=True, keep_last=2)
+    records = {name: {"bench": True} for name in REQUIRED}
+    ph = Phases()
+    ph.wrap(trainer, "_clipped", "clipped sum")
+    ph.wrap(trainer.noise.fresh_noise, "fresh", "fresh noise z")
+    ph.wrap(trainer.noise.history, "gemv", "ring GEMV")
+    ph.wrap(trainer.noise.history, "write", "ring write")
+    ph.wrap(trainer._noisy, "set", "noisy gradients")
+    ph.wrap(trainer.optimizer, "step", "optimizer")
+    real_snapshot = ckpt_mod.take_snapshot
+
+    def snapshot(*a: Any, **kw: Any) -> Any:
+        ph.enter("snapshot")
+        try:
+            return real_snapshot(*a, **kw)
+        finally:
+            ph.leave()
+
+    ckpt_mod.take_snapshot = snapshot  # type: ignore[assignment]
+    steps: list[dict[str, Any]] = []
+    peak_all = 0.0
+    try:
+        for i in range(spec["memory_steps"]):
+            in_flight = ck.in_flight
+            ph.peak, ph.rise, ph.np_rise = {}, {}, {}
+            ph.label = "step (rest)"
+            ph._reset()
+            t = time.perf_counter()
+            step(i)
+            wall = time.perf_counter() - t
+            ph._close()
+            ck_peak = 0.0
+            saved = (i + 1) % spec["memory_every"] == 0
+            if saved:
+                ph.label = "checkpoint save (training thread)"
+                ph._reset()
+                ck.save(trainer, dict(records))
+                ph._close()
+            row = {
+                "step": i,
+                "wall_s": wall,
+                "write_in_flight": in_flight,
+                "checkpoint_after": saved,
+                "peak": dict(ph.peak),
+                "rise": dict(ph.rise),
+                "np_rise": dict(ph.np_rise),
+                "owners": _owners(trainer, ck),
+                "rss_end": _status_kib("VmRSS") / 1024,
+            }
+            ck_peak = max(ph.peak.values())
+            peak_all = max(peak_all, ck_peak)
+            steps.append(row)
+        ck.wait()
+    finally:
+        ck.close()
+        store.release_lease()
+        trainer.close()
+        shutil.rmtree(root, ignore_errors=True)
+    print(json.dumps({"kind": spec["kind"], "rss": rss, "steps": steps, "peak": peak_all}))
+
+
+def _run(spec: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    cmd = [sys.executable, __file__, json.dumps({**spec, "kind": kind})]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"  {kind}: failed: {done.stderr.strip().splitlines()[-3:]}")
+        return None
+    r: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return r
+
+
+def report(spec: dict[str, Any], clippings: list[str], every: int, steps: int, where: str) -> None:
+    """The memory table of each clipping mode against the bound (bench/scale.py --memory)."""
+    import scale
+
+    print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    spec = {**spec, "memory_every": every, "memory_steps": steps, "memory_dir": where}
+    plain = scale.run({**spec, "steps": 1, "warmup": 1}, "non-private")
+    if plain is None:
+        return
+    print(
+        f"depth {spec['depth']}, d {spec['d']}, batch {spec['batch']}, physical "
+        f"{spec['physical']}, bands {spec['bands']}, {plain['params'] / 1e6:.1f}M parameters; "
+        f"non-private peak RSS {plain['rss_mib']:.0f} MiB"
+    )
+    for kind in clippings:
+        alone = scale.run({**spec, "steps": 1, "warmup": 1}, f"{kind}-clip")
+        r = _run(spec, kind)
+        if r is None or alone is None:
+            continue
+        last = r["steps"][-1]["owners"]
+        model, ring = last["model"], last["ring"]
+        chunk = max(0.0, alone["rss_mib"] - plain["rss_mib"])
+        bound = plain["rss_mib"] + ring + chunk + model
+        print(
+            f"\n{kind}: peak RSS {r['peak']:.0f} MiB = {r['peak'] / plain['rss_mib']:.2f}x "
+            f"non-private; bound {bound:.0f} MiB (+10%: {1.1 * bound:.0f}) = non-private "
+            f"{plain['rss_mib']:.0f} + ring {ring:.0f} + chunk {chunk:.0f} (clipped sum alone "
+            f"{alone['rss_mib']:.0f}) + model {model:.0f}: peak / bound "
+            f"{r['peak'] / bound:.2f}"
+        )
+        print("  RSS at start: " + ", ".join(f"{k} {v:.0f}" for k, v in r["rss"].items()))
+        print(
+            "  owners at the last step's end (MiB): "
+            + ", ".join(f"{k} {v:.0f}" for k, v in last.items())
+        )
+        phases = sorted({p for s in r["steps"] for p in s["peak"]})
+        print(
+            f"  {'phase':<34} {'peak MiB':>9} {'above entry':>12} {'numpy above':>12}  (max over steps; "
+            "steps with a write in flight apart)"
+        )
+        for flight in (False, True):
+            sel = [s for s in r["steps"] if s["write_in_flight"] == flight and s["step"] > 0]
+            if not sel:
+                continue
+            print(
+                f"  -- {'a checkpoint in flight' if flight else 'no write in flight'} "
+                f"({len(sel)} steps, wall {statistics.median(s['wall_s'] for s in sel):.1f} s)"
+            )
+            for p in phases:
+                vals = [s for s in sel if p in s["peak"]]
+                if not vals:
+                    continue
+                print(
+                    f"  {p:<34} {max(s['peak'][p] for s in vals):9.0f} "
+                    f"{max(s['rise'][p] for s in vals):12.0f} "
+                    f"{max(s['np_rise'][p] for s in vals):12.0f}"
+                )
+        first = r["steps"][0]
+        print(
+            f"  first step: peak {max(first['peak'].values()):.0f} MiB, wall {first['wall_s']:.1f} s"
+        )
+    print(f"load average at end: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    child(json.loads(sys.argv[1]))
