@@ -10,11 +10,13 @@ first time.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import Any
 
 from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.format.metrics import METRICS_RECORD, MetricsError, read_metrics
+from cocoon_ckpt.format.packed import packed_nbytes
 from cocoon_ckpt.layout import KEY_SECRET, THREAT_MODEL_DEFAULT, THREAT_MODELS, array_kind
 from cocoon_ckpt.records import EmbeddingRecord
 from cocoon_ckpt.tools.guarantee import describe
@@ -51,6 +53,12 @@ def _version_summary(m: Manifest) -> dict[str, Any]:
         total[k] = total.get(k, 0) + meta.nbytes
         if meta.path.startswith(own_prefix(m)):
             own[k] = own.get(k, 0) + meta.nbytes
+    # the generators' states a version packs into its rng record are its own bytes too
+    packed = rec.get("rng", {}).get("packed") if isinstance(rec.get("rng"), dict) else None
+    for state in packed.values() if isinstance(packed, dict) else ():
+        with contextlib.suppress(ValueError):  # malformed: `audit` names it
+            n = packed_nbytes(state)
+            own["rng"], total["rng"] = own.get("rng", 0) + n, total.get("rng", 0) + n
     noise = rec.get("noise", {})
     return {
         "version": m.version,

@@ -333,6 +333,17 @@ def test_a_damaged_bit_of_the_packed_state_is_named_by_inspect(
     assert "record 'rng'" in run.stderr or "record 'rng'" in run.stdout, run.stderr
 
 
+def test_inspect_counts_the_packed_states_as_the_rng_bytes_each_version_writes(
+    finished: tuple[Path, Path],
+) -> None:
+    run = _cli("inspect", str(finished[0]), "--json")
+    assert run.returncode == 0, run.stderr
+    versions = json.loads(run.stdout)["versions"]
+    assert len(versions) == 3
+    for v in versions:  # torch's 5,056 bytes and numpy's 624 words, as the arrays were
+        assert v["bytes_written_by_kind"]["rng"] == v["bytes_total_by_kind"]["rng"] == 7552
+
+
 def test_audit_finds_an_oversized_packed_state_the_keys_holder_sealed(
     finished: tuple[Path, Path], tmp_path: Path
 ) -> None:
