@@ -16,7 +16,14 @@ model, optimizer, ring, activations, per-sample chunk) is its own; on CUDA the p
 torch's allocator is printed too. Per contender: the median seconds per step over
 `--steps` steps after `--warmup`, and its ratio to the non-private step of the same run.
 Rows `vmap-clip` and `ghost-clip` take the clipped sum alone (no noise, no optimizer):
-the clipping's own share of the step and of its memory. The crossover table repeats vmap
+the clipping's own share of the step and of its memory. Under each table, where our DP
+steps' time goes: the clipped sum, fresh noise, the GEMV over the ring, the ring write,
+w = (z - h) / c_0, the noise added into the gradients, optimizer, accountant and the rest
+(the metrics' norms, hooks), each timed by wrapping that method of the trainer's own
+objects on the table's clock (the GEMV's tier thread counts on the CPU clock).
+`--overlap` adds a table on the wall clock where every contender has 2 threads: the plain
+step torch's 2 intra-op threads, ours with `overlap_noise` (w_t computed in a thread
+while the gradients are taken; `-g1`: the gradients on one thread beside it). The crossover table repeats vmap
 and ghost at depth 2 over widths (`--sweep`) and sequence lengths (`--sweep-seq`): the
 per-sample gradients vmap forms grow with the parameters, ghost's norms with T^2.
 "steps MiB" is the peak RSS during the timed steps above the RSS before them (after the
@@ -31,6 +38,7 @@ adds the far worker's CPU time; peak RSS is the trainer's, the worker's beside i
 
     python bench/scale.py                      # 4 blocks, d 256, seq 32: < 2 min on 2 cores
     python bench/scale.py --85m                # 12 blocks, d 768, 12 heads (GPT-2 small)
+    python bench/scale.py --85m --physical 8 --overlap-only  # 2 threads, wall clock
     python bench/scale.py --device cuda        # the same on a GPU
     python bench/scale.py --85m --far-only --host-budget 4GB --far-dir /var/tmp
                                                # b = 16 on the host vs host 4 GB + far file,
@@ -136,6 +144,9 @@ def child(spec: dict[str, Any]) -> None:
             return time.process_time() + _cpu_s(far)
 
     times = []
+    trainer = getattr(step, "trainer", None)
+    parts = _instrument(trainer, clock) if trainer is not None and spec.get("breakdown") else None
+    per_step: list[dict[str, float]] = []
     base, reset = 0, False
     for i in range(spec["warmup"] + spec["steps"]):
         if i == spec["warmup"]:  # the steady steps' own peak: after the first-use costs
@@ -150,11 +161,15 @@ def child(spec: dict[str, Any]) -> None:
             torch.cuda.synchronize()
         if spec.get("far_cold"):
             _drop_far_cache(step)
+        if parts is not None:
+            parts.clear()
         t = clock()
         step(i)
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(clock() - t)
+        if parts is not None:
+            per_step.append({**parts, "step": times[-1]})
     out = {
         "kind": kind,
         "params": sum(p.numel() for p in model.parameters()),
@@ -166,14 +181,99 @@ def child(spec: dict[str, Any]) -> None:
     }
     if device.type == "cuda":
         out["cuda_peak_mib"] = torch.cuda.max_memory_allocated() / MIB
+    if per_step:
+        steady = per_step[spec["warmup"] :]
+        out["parts"] = {k: statistics.median(p.get(k, 0.0) for p in steady) for k in steady[0]}
     if far is not None:  # the far tier's worker is a process of its own
         out["far_worker_mib"] = _status_kib("VmHWM", far) / 1024
         history = step.trainer.noise.state_rows
         out["plan"] = {p["tier"]: p["stop"] - p["start"] for p in history.placement()}
-    trainer = getattr(step, "trainer", None)
     if trainer is not None:
         trainer.close()  # the far tier's folder goes with it
     print(json.dumps(out))
+
+
+#: The parts of our DP step `--breakdown` times, in the order they run: (label, object
+#: path from the trainer, method). The noise step's own rest is "w = (z - h) / c_0".
+PARTS = [
+    ("clipped sum", "", "_clipped"),
+    ("fresh noise z_t", "noise.fresh_noise", "fresh"),
+    ("GEMV over the ring", "noise.history", "gemv"),
+    ("ring write", "noise.history", "write"),
+    ("noise step", "noise", "step"),
+    ("(sum + w) / B into .grad", "_noisy", "set"),
+    ("optimizer", "optimizer", "step"),
+    ("accountant", "accountant", "step"),
+]
+
+
+def _instrument(trainer: Any, clock: Any) -> dict[str, float]:
+    """Wrap the methods of PARTS on this trainer's own objects with `clock` timers; the
+    returned dict gathers each part's seconds (clear it before a step). The wrappers
+    only time: every call goes through with the same arguments."""
+    acc: dict[str, float] = {}
+
+    def wrap(obj: Any, name: str, label: str) -> None:
+        f = getattr(obj, name)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = clock()
+            try:
+                return f(*a, **k)
+            finally:
+                acc[label] = acc.get(label, 0.0) + clock() - t0
+
+        setattr(obj, name, timed)
+
+    for label, path, name in PARTS:
+        obj = trainer
+        for attr in filter(None, path.split(".")):
+            obj = getattr(obj, attr)
+        wrap(obj, name, label)
+    return acc
+
+
+def breakdown(rows: dict[str, dict[str, Any]], base: dict[str, Any] | None) -> None:
+    """Where the time of each DP step goes (`--breakdown`): the median over the timed
+    steps of each part, in seconds and as a multiple of the non-private step."""
+    timed = {k: r for k, r in rows.items() if "parts" in r}
+    if not timed:
+        return
+    labels = [label for label, _, _ in PARTS]
+    print("\n  where the DP step goes (median s over the timed steps; x plain in brackets)")
+    print(f"  {'part':<30}" + "".join(f" {k:>20}" for k in timed))
+    plain = base["s"] if base else float("nan")
+
+    def cell(v: float) -> str:
+        return f"{v:9.3f} ({v / plain:5.2f}x)"
+
+    def line(label: str, values: list[float]) -> None:
+        print(f"  {label:<30}" + "".join(f" {cell(v):>20}" for v in values))
+
+    for label in labels:
+        vals = [r["parts"].get(label, 0.0) for r in timed.values()]
+        if label == "noise step":
+            sub = [
+                r["parts"].get(label, 0.0) - sum(r["parts"].get(x, 0.0) for x in labels[1:4])
+                for r in timed.values()
+            ]
+            line("  w = (z - h) / c_0, the rest", sub)
+            line("noise step, in all", vals)
+            continue
+        line(("  " if label in labels[1:4] else "") + label, vals)
+    # an overlapped noise step runs beside the clipped sum: the training thread waits
+    # only for what is left of it, which "other" then holds
+    rest = [
+        r["parts"]["step"]
+        - sum(
+            r["parts"].get(x, 0.0)
+            for x in [labels[0], *labels[4:]]
+            if not (x == "noise step" and k.startswith("ghost-overlap"))
+        )
+        for k, r in timed.items()
+    ]
+    line("other (norms, hooks, waits)", rest)
+    line("whole step", [r["parts"]["step"] for r in timed.values()])
 
 
 def _cpu_s(pid: int) -> float:
@@ -251,7 +351,7 @@ def _step(
             grads.clipped_sum([xb.to(device), yb.to(device)], 1.0, spec["physical"])
 
         return clip_only
-    if kind in ("vmap", "ghost"):
+    if kind in ("vmap", "ghost", "ghost-overlap", "ghost-overlap-g1"):
         from cocoon_ckpt import DPConfig
         from cocoon_ckpt.train.data import Batch
         from cocoon_ckpt.train.trainer import DPTrainer
@@ -264,11 +364,22 @@ def _step(
             noise_multiplier=1.0,
             bands=spec["bands"],
             physical_batch_size=phys,
-            clipping=kind,
+            clipping="vmap" if kind == "vmap" else "ghost",
         )
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         data = (torch.cat([c[0] for c in batches]), torch.cat([c[1] for c in batches]))
-        trainer = DPTrainer(model, opt, loss_fn, data, cfg, bytes(32), tiers=_tiers(spec))
+        trainer = DPTrainer(
+            model,
+            opt,
+            loss_fn,
+            data,
+            cfg,
+            bytes(32),
+            tiers=_tiers(spec),
+            overlap_noise=kind.startswith("ghost-overlap"),
+            # -g1: the gradients on one thread, the noise thread on the other core
+            grad_threads=1 if kind.endswith("-g1") else None,
+        )
         if spec.get("fill_ring"):
             _fill_ring(trainer.noise.state_rows)
 
@@ -367,7 +478,7 @@ def table(spec: dict[str, Any], kinds: list[str]) -> dict[str, dict[str, Any]]:
         + (f", {base['params'] / 1e6:.1f}M parameters" if base else "")
     )
     print(
-        f"  {'contender':<13} {'s/step':>8} {'range':>15} {'first':>7} {'x plain':>8} "
+        f"  {'contender':<16} {'s/step':>8} {'range':>15} {'first':>7} {'x plain':>8} "
         f"{'peak RSS MiB':>13} {'x plain':>8} {'steps MiB':>10} {'x plain':>8}"
         + ("  cuda peak MiB" if spec["device"] == "cuda" else "")
     )
@@ -377,12 +488,13 @@ def table(spec: dict[str, Any], kinds: list[str]) -> dict[str, dict[str, Any]]:
         own = r["step_mib"] / base["step_mib"] if base else float("nan")
         lo, hi = r["range"]
         line = (
-            f"  {k:<13} {r['s']:8.3f} {lo:7.3f}-{hi:<7.3f} {r['first']:7.2f} {ratio:8.2f} "
+            f"  {k:<16} {r['s']:8.3f} {lo:7.3f}-{hi:<7.3f} {r['first']:7.2f} {ratio:8.2f} "
             f"{r['rss_mib']:13.0f} {mem:8.2f} {r['step_mib']:10.0f} {own:8.2f}"
         )
         if "cuda_peak_mib" in r:
             line += f"  {r['cuda_peak_mib']:13.0f}"
         print(line)
+    breakdown(rows, base)
     return rows
 
 
@@ -457,6 +569,13 @@ def main() -> None:
     p.add_argument("--clock", choices=["cpu", "wall"], default="cpu", help="on CPU devices")
     p.add_argument("--device", default="cpu")
     p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="also the 2-thread wall-clock table: plain and ghost steps given 2 threads, "
+        "and ghost with `overlap_noise` (the noise in a thread beside the gradients)",
+    )
+    p.add_argument("--overlap-only", action="store_true", help="only that table")
+    p.add_argument(
         "--sweep",
         type=int,
         nargs="*",
@@ -491,12 +610,6 @@ def main() -> None:
         action="store_true",
         help="drop the far file from the page cache before each step (read from the disk)",
     )
-    p.add_argument(
-        "--memory",
-        action="store_true",
-        help="only peak RSS by owner and phase, ghost and vmap, with async checkpoints "
-        "(bench/_scale_memory.py; its store in --far-dir or /var/tmp)",
-    )
     args = p.parse_args()
     if args.child:
         child(json.loads(args.child))
@@ -522,22 +635,27 @@ def main() -> None:
             "clock",
         )
     }
-    if args.memory:
-        import _scale_memory
-
-        _scale_memory.report(spec, ["ghost", "vmap"], 4, 9, args.far_dir or "/var/tmp")
-        return
     if args.far_dir is not None and args.host_budget is not None:
         far_table(spec, args.host_budget, args.far_dir, args.far_bands, args.far_cold)
         if args.far_only:
             return
-    # "-clip": the clipped sum alone (no noise, no optimizer), the clipping's own share
-    kinds = ["non-private", "vmap", "ghost", "vmap-clip", "ghost-clip"]
-    if importlib.util.find_spec("opacus") is not None:
-        kinds += ["opacus-hooks", "opacus-ghost"]
-    else:
+    spec["breakdown"] = True
+    opacus = importlib.util.find_spec("opacus") is not None
+    if not opacus:
         print("(opacus is not importable: its rows are skipped)")
-    table(spec, kinds)
+    if not args.overlap_only:
+        # "-clip": the clipped sum alone (no noise, no optimizer), the clipping's own share
+        kinds = ["non-private", "vmap", "ghost", "vmap-clip", "ghost-clip"]
+        table(spec, kinds + (["opacus-hooks", "opacus-ghost"] if opacus else []))
+    if args.overlap or args.overlap_only:
+        # every contender gets the same 2 cores: torch's 2 intra-op threads for the plain
+        # step; ours the same, with the noise beside the gradients (-g1: gradients on one
+        # thread, the noise thread on the other core)
+        print("\n2 threads, wall clock: the noise of step t beside its gradients")
+        kinds = ["non-private", "ghost", "ghost-overlap", "ghost-overlap-g1"]
+        table({**spec, "threads": 2, "clock": "wall"}, kinds + (["opacus-ghost"] if opacus else []))
+        if args.overlap_only:
+            return
     sweep = [("d", d, {"d": d, "heads": max(1, d // 64)}) for d in args.sweep]
     sweep += [("seq", t, {"seq": t}) for t in args.sweep_seq]
     if sweep:
