@@ -34,6 +34,8 @@ from cocoon_ckpt.embedding.csc_window import CscWindows, StoredCSC
 from cocoon_ckpt.embedding.lazy import LazyNoise
 from cocoon_ckpt.embedding.one_thread import one_thread
 from cocoon_ckpt.embedding.precompute import (
+    TileEntries,
+    TileLayout,
     TileParts,
     default_tile_rows,
     precompute_csc,
@@ -49,7 +51,7 @@ from cocoon_ckpt.tiers.build import build_history
 from cocoon_ckpt.tiers.config import TierConfig
 from state import Store
 
-__all__ = ["TableEngine", "TablePlan"]
+__all__ = ["OffsetTiles", "TableEngine", "TablePlan"]
 
 log = logging.getLogger(__name__)
 
@@ -260,16 +262,18 @@ class TableEngine:
 
     def precompute(self, progress: Any = None, parts: TileParts | None = None) -> CoalescedCSC:
         """Build the CSC of the cold rows (slow: the whole run's noise for them); with
-        `parts`, tiles kept there are loaded and each computed one is kept."""
+        `parts`, tiles kept there are loaded and each computed one is kept. On several
+        ranks, this rank's run of tiles, kept under their index among all the table's
+        tiles (`OffsetTiles`), so any world size finds them."""
         t0 = time.perf_counter()
         tiles = None
-        if self.ranks is not None:  # this rank's tiles only; none kept in the store
+        if self.ranks is not None:  # this rank's tiles only
             a, z = self.my_part
-            cuts = [
-                e for e in tile_edges(self.plan.hot, self.rows, self._tile_rows()) if a <= e <= z
-            ]
+            edges = tile_edges(self.plan.hot, self.rows, self._tile_rows())
+            cuts = [e for e in edges if a <= e <= z]
             tiles = [np.arange(x, y, dtype=np.int64) for x, y in zip(cuts, cuts[1:], strict=False)]
-            parts = None
+            if parts is not None:
+                parts = OffsetTiles(parts, edges.index(a))
         csc = precompute_csc(
             self.schedule,
             self.order,
@@ -525,3 +529,18 @@ class TableEngine:
             )
         if self.online is not None:
             self.online.load_state_dict(state["online"])
+
+
+class OffsetTiles:
+    """`TileParts` of a run of a table's tiles: the run's tile i is the table's tile
+    `first` + i (a rank's precompute numbers its own tiles from 0)."""
+
+    def __init__(self, parts: TileParts, first: int) -> None:
+        self.parts = parts
+        self.first = first
+
+    def load(self, index: int, slots: np.ndarray, like: TileLayout) -> TileEntries | None:
+        return self.parts.load(self.first + index, slots, like)
+
+    def save(self, index: int, slots: np.ndarray, entries: TileEntries) -> None:
+        self.parts.save(self.first + index, slots, entries)

@@ -18,6 +18,21 @@ under the writer lease, checked before each tile: a writer that was taken over s
 A job's tiles are written by one `TileWriter` thread, in the order they finish, while
 the next tiles compute.
 
+On several ranks (`embedding.csc_shards`) each rank computes its own run of the tiles
+and keeps them in a folder of its own, without the writer lease (which only rank 0
+holds), as a rank writes its ring shard:
+
+    shared/precompute/<param>/<digest>/g<gen>-r<rank>/tile-<i>{/index,/values,.done}
+
+`i` is the tile's index among the table's tiles, which no world size changes, and `gen`
+rank 0's lease generation: a rank keeps a tile only while no newer generation exists
+(asked of the storage before each tile), so a superseded job's ranks stop, and a rank
+of a new job never writes into an old one's folder. A tile is looked for in this rank's
+folder, then one process's, then every other rank folder of the digest: the marker,
+the checksums and the MACs decide whether it is trusted, wherever it lies, so a
+precompute killed on some number of ranks resumes on any number (one process included)
+and computes only the tiles none of them kept.
+
 The parts are the precompute's scratch, not the CSC: the first version writes the
 assembled CSC (`CoalescedCSC`, as before) and references it, and once a committed
 version does, `drop_tile_parts` deletes them. Retention never deletes anything under
@@ -30,6 +45,7 @@ import hashlib
 import hmac
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -43,7 +59,7 @@ from cocoon_ckpt.layout import emb_name
 from state import ArrayMeta, FencedError, Manifest, Store, hooks
 from state.arrays import ensure_groups, read_array, write_array, written_meta
 from state.canonical_json import load_bounded
-from state.paths import SHARED, shared_path
+from state.paths import SHARED, lease_path, shared_path
 
 __all__ = ["PRECOMPUTE", "TILE_KEPT", "StoredTiles", "TileWriter", "drop_tile_parts", "tile_digest"]
 
@@ -61,6 +77,9 @@ TILE_KEPT = hooks.declare(
 #: A tile's arrays: (E, 2) int64 (column, row) of each entry, and (E, dim) values.
 _ARRAYS = ("index", "values")
 _MARKER = "cocoon-ckpt precompute tile"
+
+#: A rank's folder of kept tiles under a table's digest: `g<gen>-r<rank:04d>`.
+_RANK_FOLDER = re.compile(r"g(\d+)-r(\d{4,})")
 
 #: A done-marker is a few hundred bytes; a larger file there is not read (I7).
 _MARKER_MAX_BYTES = 64 << 10
@@ -143,6 +162,9 @@ class StoredTiles:
         param: the table's parameter name.
         digest: `tile_digest` of everything that determines the table's entries.
         writer: keep tiles on this background writer (None: in `save`'s caller).
+        rank: (generation, rank) of a rank of a job on several ranks: its tiles go into
+            its own folder, fenced by rank 0's lease `generation`, not by a lease of
+            its own (None: one process, under the store's lease).
 
     Attributes:
         loaded, computed: tiles found in the store and tiles written by this run.
@@ -158,6 +180,7 @@ class StoredTiles:
         writer: TileWriter | None = None,
         *,
         mac_key: bytes,
+        rank: tuple[int, int] | None = None,
     ) -> None:
         self.store = store
         # A writer of the store without the job's key could otherwise write a tile and
@@ -169,42 +192,61 @@ class StoredTiles:
         self.param = param
         self.digest = digest
         self.folder = f"{PRECOMPUTE}/{param}/{digest}"
+        self.rank = rank
+        #: where this writer keeps its tiles: the digest's folder, or its rank folder
+        self.own = self.folder if rank is None else f"{self.folder}/g{rank[0]}-r{rank[1]:04d}"
+        self._elsewhere: list[str] | None = None  # the other folders, listed once
         self.loaded = 0
         self.computed = 0
         self.write_seconds = 0.0
         self._groups = {SHARED}  # zarr group metadata this writer already wrote
 
-    def _tile(self, index: int) -> str:
-        return f"{self.folder}/tile-{index:06d}"
+    def _tile(self, index: int, base: str | None = None) -> str:
+        return f"{base or self.own}/tile-{index:06d}"
 
-    def _marker_path(self, index: int) -> str:
-        return shared_path(f"{self._tile(index)}.done")
+    def _marker_path(self, index: int, base: str | None = None) -> str:
+        return shared_path(f"{self._tile(index, base)}.done")
+
+    def _folders(self) -> list[str]:
+        """Where a tile may have been kept: this writer's folder first, then one
+        process's, then every rank folder of the digest (a precompute stopped on another
+        number of ranks), listed once."""
+        if self._elsewhere is None:
+            names = self.store.backend.listdir(shared_path(self.folder))
+            ranks = [f"{self.folder}/{n}" for n in names if _RANK_FOLDER.fullmatch(n)]
+            self._elsewhere = [f for f in [self.folder, *ranks] if f != self.own]
+        return [self.own, *self._elsewhere]
 
     def load(self, index: int, slots: np.ndarray, like: TileLayout) -> TileEntries | None:
         """Tile `index`'s entries if its marker and arrays verify and have the layout
-        `like` (None otherwise)."""
+        `like`, from the first folder that holds a trusted one (None otherwise)."""
         backend = self.store.backend
-        marker = self._marker_path(index)
-        try:
-            raw = backend.read_bytes(marker)
-        except FileNotFoundError:
-            return None
-        try:
-            entries = self._verified(index, slots, like, raw)
-        except (ValueError, KeyError, TypeError, OSError) as exc:
-            log.warning(
-                "table %s: precompute tile %d in %s is not trusted (%s); computing it again",
-                self.param,
-                index,
-                self.store.url,
-                exc,
-            )
-            self._discard(index)
-            return None
-        self.loaded += 1
-        return entries
+        for base in self._folders():
+            try:
+                raw = backend.read_bytes(self._marker_path(index, base))
+            except FileNotFoundError:
+                continue
+            try:
+                entries = self._verified(index, slots, like, raw, base)
+            except (ValueError, KeyError, TypeError, OSError) as exc:
+                log.warning(
+                    "table %s: precompute tile %d in %s of %s is not trusted (%s); "
+                    "computing it again",
+                    self.param,
+                    index,
+                    base,
+                    self.store.url,
+                    exc,
+                )
+                self._discard(index, base)
+                continue
+            self.loaded += 1
+            return entries
+        return None
 
-    def _verified(self, index: int, slots: np.ndarray, like: TileLayout, raw: bytes) -> TileEntries:
+    def _verified(
+        self, index: int, slots: np.ndarray, like: TileLayout, raw: bytes, base: str
+    ) -> TileEntries:
         if len(raw) > _MARKER_MAX_BYTES:
             raise ValueError(f"its done-marker is {len(raw)} bytes, more than any marker")
         rec = load_bounded(raw)
@@ -231,20 +273,20 @@ class StoredTiles:
                     f"its array {name} is {meta.dtype}{list(meta.shape)}, the tile's entries "
                     f"are {dtype}{list(shape)}"
                 )
-        pairs, values = (self._array(index, name, metas[name]) for name in _ARRAYS)
+        pairs, values = (self._array(index, name, metas[name], base) for name in _ARRAYS)
         for name, arr in zip(_ARRAYS, (pairs, values), strict=True):
             want = rec.get("array_macs", {}).get(name)
             if not isinstance(want, str) or not hmac.compare_digest(want, self._array_mac(arr)):
                 raise ValueError(f"array {name} fails its MAC under the job's key (forged?)")
         return np.ascontiguousarray(pairs[:, 0]), np.ascontiguousarray(pairs[:, 1]), values
 
-    def _array(self, index: int, name: str, meta: ArrayMeta) -> np.ndarray:
+    def _array(self, index: int, name: str, meta: ArrayMeta, base: str) -> np.ndarray:
         """Array `name` of tile `index`, checked against the marker's checksum. Its path
         is ours, never the marker's: only the layout and the checksum are read there."""
         layout = (meta.shape, meta.dtype, meta.chunks or meta.shape)
 
         def read() -> tuple[np.ndarray, str]:
-            sub = f"{self._tile(index)}/{name}"
+            sub = f"{self._tile(index, base)}/{name}"
             return read_array(self.store.backend, SHARED, sub, layout, meta.separator)
 
         arr, checksum = self.store.retry.call(read)
@@ -265,15 +307,30 @@ class StoredTiles:
         else:
             self.writer.submit(lambda: self._save(index, slots, entries))
 
-    def _save(self, index: int, slots: np.ndarray, entries: TileEntries) -> None:
+    def _fence(self) -> None:
+        """Raise FencedError unless this writer may keep a tile now: it holds the
+        store's lease (one process), or no lease generation newer than rank 0's exists
+        (a rank of several, which holds none)."""
+        if self.rank is not None:
+            gen = self.rank[0]
+            if self.store.backend.exists_fresh(lease_path(gen + 1)):
+                raise FencedError(
+                    f"{self.store.url}: rank {self.rank[1]}'s job (lease generation {gen}) "
+                    f"was taken over by generation {gen + 1}; it keeps no more precompute "
+                    "tiles. Stop this job; the new writer owns the store"
+                )
+            return
         lease = self.store.lease
         if lease is None:
             raise FencedError(
                 f"{self.store.url}: the precompute keeps its tiles only under the writer "
                 "lease; acquire it first"
             )
-        t0 = time.perf_counter()
         lease.check()
+
+    def _save(self, index: int, slots: np.ndarray, entries: TileEntries) -> None:
+        t0 = time.perf_counter()
+        self._fence()
         tile = self._tile(index)
         backend = self.store.backend
         arrays = {"index": np.column_stack(entries[:2]), "values": entries[2]}
@@ -321,10 +378,10 @@ class StoredTiles:
         h.update(a.data.cast("B"))
         return h.hexdigest()
 
-    def _discard(self, index: int) -> None:
+    def _discard(self, index: int, base: str) -> None:
         backend = self.store.backend
-        backend.rm(self._marker_path(index))
-        backend.rm(shared_path(self._tile(index)), recursive=True)
+        backend.rm(self._marker_path(index, base))
+        backend.rm(shared_path(self._tile(index, base)), recursive=True)
 
 
 def _span(slots: np.ndarray) -> dict[str, Any]:

@@ -177,23 +177,30 @@ class EmbeddingNoise:
 
         Args:
             progress: called with the slots finished after each tile.
-            store: keep each finished tile in this store (its writer lease held) and
-                resume from the tiles a stopped precompute kept there
-                (`embedding.stored_tiles`); None: in memory only.
+            store: keep each finished tile in this store (its writer lease held; on
+                several ranks, rank 0's) and resume from the tiles a stopped precompute
+                kept there (`embedding.stored_tiles`); None: in memory only. On several
+                ranks every rank passes the store or none does (a collective).
             job_fingerprint: the job's fingerprint, part of the tiles' digest.
         """
         t0 = time.perf_counter()
         kept: list[StoredTiles] = []
+        rank = self._rank_folder(store)
         # one writer for every table: the last tiles of one are written while the next
         # table's compute (tables of a single tile would otherwise wait on each write)
         with TileWriter() if store is not None else contextlib.nullcontext() as writer:
             for e in self.engines:
                 if e.needs_precompute:
                     parts, digest = None, None
-                    if store is not None and e.ranks is None:
+                    if store is not None and (e.ranks is None or rank is not None):
                         digest = e.tile_digest(job_fingerprint)
                         parts = StoredTiles(
-                            store, e.spec.param, digest, writer, mac_key=self._tile_mac_key
+                            store,
+                            e.spec.param,
+                            digest,
+                            writer,
+                            mac_key=self._tile_mac_key,
+                            rank=rank if e.ranks is not None else None,
                         )
                         kept.append(parts)
                     if store is not None and e.csc_window_steps is not None:
@@ -208,6 +215,20 @@ class EmbeddingNoise:
                 parts.computed,
             )
         return time.perf_counter() - t0
+
+    def _rank_folder(self, store: Store | None) -> tuple[int, int] | None:
+        """On several ranks: (rank 0's lease generation, this rank), the folder this
+        rank keeps its tiles in (`StoredTiles`), sent by rank 0 in one all-gather where
+        some sharded table still needs its precompute; None in one process, without a
+        store or without rank 0's lease (then the tiles are not kept)."""
+        ranks = self._ranks
+        if ranks is None or not any(e.sharded and e.needs_precompute for e in self.engines):
+            return None
+        lease = store.lease if store is not None else None
+        gen = ranks.all_gather_object(lease.generation if lease is not None else None)[0]
+        if store is None or gen is None:
+            return None
+        return (int(gen), ranks.rank)
 
     def drop_tile_parts(self, store: Store, manifest: Manifest | None) -> bool:
         """Delete the precompute's tile parts once `manifest` (committed) holds every

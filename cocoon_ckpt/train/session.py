@@ -116,8 +116,8 @@ def open_job(
                 job.version.step,
             )
         records = job_records(job.config, job.trainer, job.key, options.key_file)
-        store = job.store if job.coordinator else None
-        _precompute(job.trainer, store, records, options.on_precompute)
+        # every rank keeps its precompute tiles (on several, in a folder of its own)
+        _precompute(job.trainer, job.store, records, options.on_precompute)
         ckpt = Checkpointer(
             job.store, async_write=job.config.async_checkpoint, keep_last=job.config.keep_last
         )
@@ -140,7 +140,8 @@ def _precompute(
     on_precompute: Callable[[int, int], None] | None,
 ) -> None:
     """Precompute coalesced embedding noise before step 0 (a resume loaded it), each
-    finished tile kept in `store` (the writer's) so a stopped precompute resumes."""
+    finished tile kept in `store` so a stopped precompute resumes (on several ranks,
+    each rank's own tiles: `embedding.stored_tiles`)."""
     emb = trainer.embedding
     if emb is None or emb.prepared:
         return
