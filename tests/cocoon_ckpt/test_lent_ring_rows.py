@@ -103,8 +103,9 @@ def test_an_async_checkpoint_in_flight_adds_no_ring_and_stores_the_copied_bits(
             ck.save(trainer, dict(records))
             saved = tracemalloc.get_traced_memory()[1]
             tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
             trainer.train_step()  # overwrites a lent row the writer has not begun
-            stepped = tracemalloc.get_traced_memory()[1] - tracemalloc.get_traced_memory()[0]
+            stepped = tracemalloc.get_traced_memory()[1] - base
         finally:
             tracemalloc.stop()
         assert saved < 3 * row, (saved, row)  # the model's copy, no ring row
