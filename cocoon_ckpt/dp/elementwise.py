@@ -35,6 +35,15 @@ def _add_div(out, a, b, d):  # type: ignore[no-untyped-def]
         out[j] = (a[j] + b[j]) / d
 
 
+# out is a: LLVM's vectorized loop checks that out overlaps neither input and falls back
+# to the scalar loop when it does (0.107 s against torch's 0.090 at 85.9M); written as
+# an update of one array it vectorizes (0.05 s)
+@njit(nogil=True, fastmath=False, cache=True)
+def _add_div_(a, b, d):  # type: ignore[no-untyped-def]
+    for j in range(a.shape[0]):
+        a[j] = (a[j] + b[j]) / d
+
+
 def _compiled(*tensors: torch.Tensor) -> bool:
     first = tensors[0]
     return (
@@ -75,7 +84,10 @@ def add_div_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, d: float) 
     """
     if _compiled(out, a, b):
         o = out.numpy()
-        _add_div(o, a.numpy(), b.numpy(), o.dtype.type(d))
+        if out.data_ptr() == a.data_ptr():
+            _add_div_(o, b.numpy(), o.dtype.type(d))
+        else:
+            _add_div(o, a.numpy(), b.numpy(), o.dtype.type(d))
         return out
     torch.add(a, b, out=out)
     return out.div_(d)
