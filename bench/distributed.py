@@ -5,7 +5,7 @@ noise (b = 1) drawn by 1 and 2 ranks instead.
     python bench/distributed.py [--dim 4194304] [--bands 16] [--reps 7] [--worlds 1 2 4]
     python bench/distributed.py --embedding [--rows 1000000] [--emb-dim 16]
         [--step-rows 8192] [--reps 7] [--worlds 1 2]
-    python bench/distributed.py --coalesced [--ranks 2] [--scale 0.01] [--steps 40]
+    python bench/distributed.py --coalesced [--ranks 2] [--scale 0.01] [--steps 40] [--keep-tiles]
         [--bands 8] [--batch 512] [--hot-threshold 8] [--rounds 2]
 
 Each world size runs as real processes (gloo on CPU, NCCL where CUDA is present) on
@@ -33,7 +33,10 @@ precompute (slowest rank), the time per training step after it (the job's only
 checkpoint is its last: --checkpoint-every --steps), each as a ratio to the one-process
 run of the same round (the step: the median `train_step`, slowest rank), each rank's
 peak RSS, the CSC bytes each rank held, and whether
-the final tables equal one process's up to the association of the gradient sums.
+the final tables equal one process's up to the association of the gradient sums. With
+--keep-tiles each round also runs the ranks with their precompute keeping no tiles in
+the store (last in even rounds, first in odd ones) and prints the precompute with tiles
+kept (each rank's in its own folder, `embedding.stored_tiles`) ÷ without.
 """
 
 from __future__ import annotations
@@ -191,7 +194,7 @@ def _embedding(args: argparse.Namespace) -> None:
 #: the precompute to the end of the job, its peak RSS and the CSC bytes it held, as JSON
 #: in the file named by argv[1].
 _RANK_RUN = r"""
-import json, resource, statistics, sys, time
+import json, os, resource, statistics, sys, time
 from cocoon_ckpt.embedding import tables
 from cocoon_ckpt.train import trainer
 from cocoon_ckpt._cli.main import main
@@ -210,6 +213,8 @@ def timed_step(self, *a, **k):
 trainer.DPTrainer.train_step = timed_step
 
 def timed(self, *a, **k):
+    if os.environ.get("BENCH_KEEP_TILES") == "0":  # the precompute keeps no tiles
+        k["store"] = None
     secs = prepare(self, *a, **k)
     marks["precompute_s"], marks["after"] = secs, time.perf_counter()
     marks["csc_bytes"] = sum(e.csc.nbytes for e in self.engines if e.csc is not None)
@@ -226,9 +231,12 @@ sys.exit(code)
 """
 
 
-def _coalesced_run(world: int, args: argparse.Namespace, root: Path, tag: str) -> dict:
+def _coalesced_run(
+    world: int, args: argparse.Namespace, root: Path, tag: str, keep: bool = True
+) -> dict:
     """The job on `world` ranks (real processes, torchrun's environment); the slowest
-    rank's precompute and training, every rank's RSS and CSC bytes."""
+    rank's precompute and training, every rank's RSS and CSC bytes. `keep`: the
+    precompute keeps its tiles in the store (the job's default), else in memory only."""
     store = root / f"{tag}.zarr"
     train = [
         *("train", "--example", "dlrm", "--store", str(store), "--key-file", str(root / "k")),
@@ -243,6 +251,7 @@ def _coalesced_run(world: int, args: argparse.Namespace, root: Path, tag: str) -
     procs = []
     for rank in range(world):
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))}
+        env["BENCH_KEEP_TILES"] = "1" if keep else "0"
         if world > 1:
             env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
             env.update({"WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank)})
@@ -284,7 +293,20 @@ def _coalesced(args: argparse.Namespace) -> None:
         root = Path(tmp)
         for rnd in range(args.rounds):
             order = [1, args.ranks] if rnd % 2 == 0 else [args.ranks, 1]
+            # --keep-tiles: the ranks again, their tiles not kept (first in odd rounds)
+            bare = None
+            if args.keep_tiles and rnd % 2:
+                bare = _coalesced_run(args.ranks, args, root, f"r{rnd}-bare", keep=False)
             got = {w: _coalesced_run(w, args, root, f"r{rnd}-w{w}") for w in order}
+            if args.keep_tiles:
+                if bare is None:
+                    bare = _coalesced_run(args.ranks, args, root, f"r{rnd}-bare", keep=False)
+                kept = got[args.ranks]["precompute_s"]
+                print(
+                    f"# round {rnd}: {args.ranks}-rank precompute with tiles kept "
+                    f"{kept:.2f} s, without {bare['precompute_s']:.2f} s: "
+                    f"{kept / bare['precompute_s']:.3f}x"
+                )
             one = got[1]
             for w in (1, args.ranks):
                 r = got[w]
@@ -322,6 +344,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=512, help="--coalesced: batch size")
     ap.add_argument("--hot-threshold", type=int, default=8, help="--coalesced: hot rows")
     ap.add_argument("--rounds", type=int, default=2, help="--coalesced: alternating rounds")
+    ap.add_argument(
+        "--keep-tiles",
+        action="store_true",
+        help="--coalesced: also run the ranks with no precompute tiles kept (kept ÷ not)",
+    )
     args = ap.parse_args()
     if args.coalesced:
         args.bands = args.bands if "--bands" in sys.argv else 8
