@@ -610,6 +610,12 @@ def main() -> None:
         action="store_true",
         help="drop the far file from the page cache before each step (read from the disk)",
     )
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="only peak RSS by owner and phase, ghost and vmap, with async checkpoints "
+        "(bench/_scale_memory.py; its store in --far-dir or /var/tmp)",
+    )
     args = p.parse_args()
     if args.child:
         child(json.loads(args.child))
@@ -635,6 +641,11 @@ def main() -> None:
             "clock",
         )
     }
+    if args.memory:
+        import _scale_memory
+
+        _scale_memory.report(spec, ["ghost", "vmap"], 4, 9, args.far_dir or "/var/tmp")
+        return
     if args.far_dir is not None and args.host_budget is not None:
         far_table(spec, args.host_budget, args.far_dir, args.far_bands, args.far_cold)
         if args.far_only:
