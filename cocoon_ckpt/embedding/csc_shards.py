@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from cocoon_ckpt.embedding.csc import CoalescedCSC
-from cocoon_ckpt.embedding.csc_window import CSC_PARTS, StoredCSC
+from cocoon_ckpt.embedding.csc_window import CSC_PARTS, CscWindows, StoredCSC
 from cocoon_ckpt.embedding.lazy import share_counts
 from cocoon_ckpt.errors import StoredStateError
 from cocoon_ckpt.layout import csc_part_name
@@ -44,6 +44,7 @@ from state import ArrayMeta, CorruptVersionError, Version
 __all__ = [
     "CscPart",
     "CscRanks",
+    "PartWindows",
     "StoredParts",
     "part_bounds",
     "part_name",
@@ -199,6 +200,22 @@ class StoredParts:
         width = int(parts[0][2]["values"].shape[1]) if parts else (dim or 0)
         return cls(version, param, int(record["steps"]), width, tuple(parts))
 
+    @classmethod
+    def of_manifest(
+        cls, version: Version, param: str, bounds: Sequence[tuple[int, int]], steps: int, dim: int
+    ) -> StoredParts | None:
+        """The parts of slots `bounds` (every rank's, empty ones skipped) where `version`
+        holds each of them; None where it does not hold them all."""
+        parts = []
+        for a, z in bounds:
+            if z == a:
+                continue
+            names = {k: part_name(param, a, z, k) for k in CSC_PARTS}
+            if any(n not in version.manifest.arrays for n in names.values()):
+                return None
+            parts.append((a, z, {k: version.manifest.arrays[n] for k, n in names.items()}))
+        return cls(version, param, steps, dim, tuple(parts))
+
     @property
     def nnz(self) -> int:
         return sum(int(m["rows"].shape[0]) for _, _, m in self.parts)
@@ -234,6 +251,55 @@ class StoredParts:
             got.append(csc if start <= a and z <= stop else restrict(csc, slot_of, start, stop))
         dtype = self.parts[0][2]["values"].dtype if self.parts else "float32"
         return merge(self.steps, got, self.dim, np.dtype(dtype))
+
+
+@dataclass(frozen=True, slots=True)
+class PartWindows(StoredParts):
+    """A table's CSC committed in parts, of which this rank reads its own part, the
+    slots [start, stop), from the store in windows (`csc_window.CscWindows`: at most two
+    windows in memory, every window checked), never whole. As state it is the
+    committed parts (a version references them)."""
+
+    windows: CscWindows | None = None
+    start: int = 0
+    stop: int = 0
+
+    @classmethod
+    def of(
+        cls,
+        stored: StoredParts,
+        start: int,
+        stop: int,
+        window_steps: int,
+        like: CoalescedCSC | None = None,
+    ) -> PartWindows | None:
+        """This rank's part [start, stop) of `stored` read in windows of `window_steps`
+        steps (`like`: the part in memory, whose window checksums are taken instead of
+        a pass over the store); None where no stored part is exactly that range (a
+        resume on another world size: the part is then read whole, `load`)."""
+        for a, z, _ in stored.parts:
+            if (a, z) != (start, stop):
+                continue
+            names = {k: part_name(stored.param, a, z, k) for k in CSC_PARTS}
+            one = StoredCSC.of_arrays(stored.version, stored.param, names)
+            windows = CscWindows(one, window_steps, like=like)
+            return cls(
+                stored.version, stored.param, stored.steps, stored.dim, stored.parts,
+                windows, start, stop,
+            )  # fmt: skip
+        return None
+
+    def _windows(self) -> CscWindows:
+        if self.windows is None:
+            raise RuntimeError(f"table {self.param}: its CSC part has no windows")
+        return self.windows
+
+    def column(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """Column t of this rank's part (t = steps: its tails, gathered whole)."""
+        return self._windows().column(t)
+
+    def close(self) -> None:
+        self._windows().close()
 
 
 def whole_csc(version: Version, param: str, record: dict[str, Any]) -> CoalescedCSC:

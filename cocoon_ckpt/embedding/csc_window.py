@@ -92,8 +92,14 @@ class StoredCSC:
             CorruptVersionError: the column pointer fails its checksum, or the arrays'
                 shapes disagree with it.
         """
-        metas = {k: version.manifest.arrays[emb_name(param, f"csc/{k}")] for k in CSC_PARTS}
-        ptr = np.asarray(version.array(emb_name(param, "csc/col_ptr")))
+        return cls.of_arrays(version, param, {k: emb_name(param, f"csc/{k}") for k in CSC_PARTS})
+
+    @classmethod
+    def of_arrays(cls, version: Version, param: str, names: dict[str, str]) -> StoredCSC:
+        """`of_version` of the CSC whose `col_ptr`, `rows` and `values` `version` holds
+        under `names` (a rank's part: `embedding.csc_shards.part_name`)."""
+        metas = {k: version.manifest.arrays[names[k]] for k in CSC_PARTS}
+        ptr = np.asarray(version.array(names["col_ptr"]))
         rows, values = metas["rows"], metas["values"]
         nnz = int(ptr[-1]) if ptr.ndim == 1 and ptr.size else -1
         bad = None

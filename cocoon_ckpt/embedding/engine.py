@@ -24,6 +24,7 @@ from cocoon_ckpt.embedding.csc_assembly import CscAssembly
 from cocoon_ckpt.embedding.csc_shards import (
     CscPart,
     CscRanks,
+    PartWindows,
     StoredParts,
     load_range,
     part_bounds,
@@ -167,7 +168,7 @@ class TableEngine:
         self._online_index = torch.from_numpy(self.order[: self.online_rows])
         self.lazy = LazyNoise(sub, dim, std, factors) if plan.mode is TableMode.LAZY else None
         self.csc_window_steps = csc_window_steps
-        self.csc: CoalescedCSC | CscWindows | None = None
+        self.csc: CoalescedCSC | CscWindows | PartWindows | None = None
         self.precompute_seconds = 0.0
         self.entries_applied = 0
         self.ranks: CscRanks | None = None
@@ -178,16 +179,11 @@ class TableEngine:
         """Precompute and hold only this rank's part of the CSC (`embedding.csc_shards`),
         and gather each step's column from every rank's part. Rank r holds part
         (r + offset) mod world: a job's tables pass their index, so tables of fewer
-        tiles than ranks (whose later parts are empty) load different ranks."""
+        tiles than ranks (whose later parts are empty) load different ranks. With
+        `csc_window_steps`, a rank reads its own part in windows once a version holds
+        it (`parts_committed`, or a resume on the same world size)."""
         if self.plan.mode is not TableMode.COALESCED or ranks.world == 1:
             return
-        if self.csc_window_steps is not None:
-            raise ConfigError(
-                f"table {self.spec.param}: EmbeddingConfig.csc_window_steps="
-                f"{self.csc_window_steps} reads the CSC in windows from one process's store "
-                f"arrays, which {ranks.world} ranks do not share: drop csc_window_steps "
-                "(--csc-window-steps), each rank then holds its part of the CSC in memory"
-            )
         self.ranks = ranks
         self._offset = offset
 
@@ -364,6 +360,12 @@ class TableEngine:
             slot_of[self.order] = np.arange(self.order.size, dtype=slot_of.dtype)
             a, z = self.my_part
             self._drop_csc()
+            window = self.csc_window_steps
+            if self.ranks is not None and window is not None and isinstance(csc, StoredParts):
+                windows = PartWindows.of(csc, a, z, window)  # its own part, stored whole
+                if windows is not None:
+                    self.csc = windows
+                    return
             mine = load_range(csc, slot_of, a, z)
             self.csc = self._part(mine) if self.ranks is not None else mine
             return
@@ -395,8 +397,19 @@ class TableEngine:
         windows = CscWindows(stored, self.csc_window_steps, like=self.csc)
         self.csc = windows
 
+    def parts_committed(self, stored: StoredParts) -> None:
+        """On several ranks, this table's CSC is committed in parts as `stored`: with
+        `csc_window_steps` set, this rank reads its own part from the store in windows
+        from now on and lets go of the part its precompute left in memory (the windows
+        are checked against it). A rank of an empty run keeps its empty part."""
+        if self.csc_window_steps is None or not isinstance(self.csc, CscPart):
+            return
+        windows = PartWindows.of(stored, *self.my_part, self.csc_window_steps, like=self.csc)
+        if windows is not None:
+            self.csc = windows
+
     def _drop_csc(self) -> None:
-        if isinstance(self.csc, CscWindows):
+        if isinstance(self.csc, CscWindows | PartWindows):
             self.csc.close()
         self.csc = None
 
@@ -437,7 +450,7 @@ class TableEngine:
 
     def my_column(self, t: int) -> tuple[np.ndarray, np.ndarray]:
         """Column t of this rank's part (t = steps: its tails)."""
-        if not isinstance(self.csc, CoalescedCSC):
+        if not isinstance(self.csc, CoalescedCSC | PartWindows):
             raise RuntimeError(f"table {self.spec.param}: precompute() has not run")
         return self.csc.column(t)
 
@@ -497,6 +510,18 @@ class TableEngine:
     def close(self) -> None:
         if self.online is not None:
             self.online.close()
+        if isinstance(self.csc, PartWindows) and self.csc.windows is not None:
+            self.csc.close()
+            log.info(
+                "table %s: CSC part [%d, %d) read in %d windows of %d steps, at most %d "
+                "bytes resident",
+                self.spec.param,
+                self.csc.start,
+                self.csc.stop,
+                self.csc.windows.windows_read,
+                self.csc.windows.window_steps,
+                self.csc.windows.peak_resident_bytes,
+            )
         if isinstance(self.csc, CscWindows):
             self.csc.close()
             log.info(

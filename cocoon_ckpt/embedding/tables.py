@@ -16,7 +16,7 @@ from cocoon_ckpt._state_dict import check_state
 from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.embedding.config import EmbeddingConfig, TableMode
 from cocoon_ckpt.embedding.csc import CoalescedCSC
-from cocoon_ckpt.embedding.csc_shards import CscRanks
+from cocoon_ckpt.embedding.csc_shards import CscPart, CscRanks, StoredParts
 from cocoon_ckpt.embedding.csc_window import StoredCSC
 from cocoon_ckpt.embedding.engine import TableEngine, TablePlan
 from cocoon_ckpt.embedding.profile import choose_threshold, measure_unit_costs
@@ -203,9 +203,9 @@ class EmbeddingNoise:
                             rank=rank if e.ranks is not None else None,
                         )
                         kept.append(parts)
-                    if store is not None and e.csc_window_steps is not None:
+                    if store is not None and e.csc_window_steps is not None and not e.sharded:
                         e.precompute_to_store(store, progress, parts, digest)  # never whole
-                    else:
+                    else:  # on several ranks: its part, in windows once committed
                         e.precompute(progress, parts)
         for parts in kept:
             log.info(
@@ -242,11 +242,19 @@ class EmbeddingNoise:
     def csc_committed(self, store: Store, manifest: Manifest | None) -> None:
         """With `csc_window_steps` set, each coalesced table whose CSC `manifest`
         (committed) holds reads it from the store in windows from now on, and lets go of
-        the whole CSC its precompute computed."""
+        the whole CSC its precompute computed; on several ranks (every rank calls it),
+        each its own part."""
         if manifest is None or self.config.csc_window_steps is None:
             return
         version = Version(store, manifest)
         for e in self.engines:
+            if e.sharded and isinstance(e.csc, CscPart):  # several ranks: its own part
+                parts = StoredParts.of_manifest(
+                    version, e.spec.param, e.part_bounds, e.schedule.steps, e.dim
+                )
+                if parts is not None:
+                    e.parts_committed(parts)
+                continue
             if isinstance(e.csc, CoalescedCSC) and emb_name(e.spec.param, "csc/values") in (
                 manifest.arrays
             ):
@@ -254,11 +262,8 @@ class EmbeddingNoise:
 
     def shard(self, ranks: CscRanks) -> None:
         """Each coalesced table's CSC precomputed and held by part, one per rank
-        (`embedding.csc_shards`); a no-op on one rank.
-
-        Raises:
-            ConfigError: `csc_window_steps` is set (windows read one process's arrays).
-        """
+        (`embedding.csc_shards`), read in windows once committed where
+        `csc_window_steps` is set; a no-op on one rank."""
         for i, e in enumerate(self.engines):
             e.shard(ranks, offset=i)
         self._ranks = ranks if any(e.sharded for e in self.engines) else None

@@ -113,8 +113,8 @@ def check_distributed(embedding: EmbeddingConfig | None, world: int, bands: int)
     of the shard's columns, the fresh noise a pure function of (key, t, block)), and so
     does the embedding tables' lazy (b = 1) and coalesced noise; their dense noise does
     not. A coalesced plan must be the same on every rank, so its hot threshold is given,
-    not chosen by a timed profile on each; its CSC is held by each rank in memory, its
-    part only, so it is not read in windows.
+    not chosen by a timed profile on each; each rank holds its part of the CSC only (in
+    windows once committed, where `csc_window_steps` is set).
 
     Args:
         embedding: the job's `EmbeddingConfig`, or None.
@@ -123,8 +123,7 @@ def check_distributed(embedding: EmbeddingConfig | None, world: int, bands: int)
 
     Raises:
         ConfigError: dense table noise (mode dense, or not `final_model`) with more than
-            one rank; coalesced noise on several ranks without `hot_threshold` or with
-            `csc_window_steps`.
+            one rank; coalesced noise on several ranks without `hot_threshold`.
     """
     if world <= 1 or embedding is None or lazy_on_ranks(embedding, bands):
         return
@@ -142,13 +141,6 @@ def check_distributed(embedding: EmbeddingConfig | None, world: int, bands: int)
             f"EmbeddingConfig.hot_threshold=None with torch.distributed (WORLD_SIZE={world}): "
             "coalesced noise on several ranks needs the threshold given (a timed profile "
             "could choose another on each rank); give hot_threshold (--hot-threshold)"
-        )
-    if embedding.csc_window_steps is not None:
-        raise ConfigError(
-            f"EmbeddingConfig.csc_window_steps={embedding.csc_window_steps} with "
-            f"torch.distributed (WORLD_SIZE={world}): on several ranks each rank holds its "
-            "part of the CSC in memory, not read in windows; drop csc_window_steps "
-            "(--csc-window-steps)"
         )
 
 

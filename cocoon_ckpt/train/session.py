@@ -363,6 +363,9 @@ class JobSession:
         emb = self.trainer.embedding
         if self._tile_parts and emb is not None:
             self._tile_parts = not emb.drop_tile_parts(self.store, self._ckpt.last)
+        elif not self._coordinator and emb is not None:
+            # another rank: its own CSC part is read in windows once committed
+            emb.csc_committed(self.store, self._ckpt.last)
 
     def _stop_if_preempted(self) -> None:
         requested = self._preempt.requested if self._preempt is not None else None

@@ -12,6 +12,7 @@ ranks hold a part."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -313,16 +314,6 @@ def test_restricted_parts_merge_to_the_whole_csc() -> None:
             4,
             "hot_threshold",
         ),
-        (
-            EmbeddingConfig(
-                mode=TableMode.COALESCED,
-                threat_model="final_model",
-                hot_threshold=3,
-                csc_window_steps=4,
-            ),
-            4,
-            "csc_window_steps",
-        ),
     ],
 )
 def test_what_does_not_shard_is_refused_naming_the_field(
@@ -335,6 +326,8 @@ def test_what_does_not_shard_is_refused_naming_the_field(
     ok = EmbeddingConfig(mode=TableMode.COALESCED, threat_model="final_model", hot_threshold=3)
     check_distributed(ok, 2, 4)
     check_distributed(EmbeddingConfig(threat_model="final_model", hot_threshold=3), 2, 4)
+    # each rank reads its own part in windows (tests/.../test_distributed_csc_windows.py)
+    check_distributed(dataclasses.replace(ok, csc_window_steps=4), 2, 4)
 
 
 @pytest.mark.slow
