@@ -22,7 +22,9 @@ CSC's restricted to its slots, bit for bit.
 
 Each step the ranks apply the same column: each sends its part's column t (an
 all-gather) and every rank applies every entry, sorted by row as the one-process column
-is, so the tables stay identical on every rank and equal to one process's.
+is, so the tables stay identical on every rank and equal to one process's. With
+`csc_window_steps`, once a version holds the parts a rank reads its own part from the
+store in windows (`PartWindows`) instead of holding it.
 """
 
 from __future__ import annotations
