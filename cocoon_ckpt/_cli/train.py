@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from cocoon_ckpt._cli.args import add_json, add_storage_options, storage_options
 from cocoon_ckpt._cli.train_config import (
+    EXAMPLE_NAMES,
     add_target_flags,
     field_default,
     flag_default,
@@ -42,9 +43,9 @@ def add_parser(sub: Subparsers) -> None:
     which = p.add_mutually_exclusive_group()
     which.add_argument(
         "--example",
-        choices=["mlp", "dlrm"],
+        choices=list(EXAMPLE_NAMES),
         default=None,
-        help="a built-in example job (default: mlp)",
+        help="a built-in example job (default: mlp; --job example:NAME is the same)",
     )
     which.add_argument(
         "--job",

@@ -71,6 +71,9 @@ EMBEDDING_FLAGS: dict[str, str] = {
 #: What the CLI chooses itself: the built-in example job's sizes (DPConfig has no default
 #: for them), sigma = 1 when no --target-epsilon is given, and BandMF with 8 bands, not
 #: DPConfig's DP-SGD (bands=1).
+#: The built-in examples (`--example NAME`, `--job example:NAME`).
+EXAMPLE_NAMES = ("mlp", "dlrm")
+
 EXAMPLE_DEFAULTS: dict[str, Any] = {
     "steps": 50,
     "batch_size": 32,
@@ -286,6 +289,16 @@ def train_job(
         raise ConfigError(
             "Expected --store='' to name a store: a local path, memory://NAME or s3://BUCKET/PATH"
         )
+    if args.job is not None and args.job.startswith("example:"):
+        # `example:NAME` is how a store and a --config file name a built-in example: the
+        # job --example NAME runs, with its defaults (not a user's job built to read them)
+        name = args.job.partition(":")[2]
+        if name not in EXAMPLE_NAMES:
+            raise ConfigError(
+                f"--job {args.job}: no built-in example {name!r}; use one of "
+                + ", ".join(f"example:{n}" for n in EXAMPLE_NAMES)
+            )
+        args = argparse.Namespace(**{**vars(args), "example": name, "job": None})
     if args.config is not None:
         given = list(_given(args, JOB_FLAGS | TARGET_FLAGS | EMBEDDING_FLAGS))
         if given or args.example or args.job:
