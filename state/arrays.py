@@ -13,11 +13,12 @@ else are read through zarr itself.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import crc32c
@@ -36,6 +37,7 @@ __all__ = [
     "chunk_key",
     "default_dimension_names",
     "read_array",
+    "verify_array",
     "write_array",
     "written_meta",
 ]
@@ -277,51 +279,132 @@ def read_array(
         FileNotFoundError: the array or one of its chunks is missing.
         ValueError: a chunk is torn or fails its crc32c.
     """
-    if layout is not None:
-        shape, dtype, chunks = layout[0], np.dtype(layout[1]), layout[2]
-        direct = True
-    else:
-        meta = json.loads(backend.read_bytes(f"{group}/{name}/zarr.json"))
-        dtype = np.dtype(meta["data_type"])
-        shape = tuple(int(s) for s in meta["shape"])
-        chunks = tuple(int(c) for c in meta["chunk_grid"]["configuration"]["chunk_shape"])
-        encoding = meta.get("chunk_key_encoding")
-        config = encoding.get("configuration") if isinstance(encoding, dict) else None
-        stored = config.get("separator") if isinstance(config, dict) else None
-        direct = (
-            meta.get("codecs") == _expected_codecs(dtype)
-            and encoding == {"name": "default", "configuration": {"separator": stored}}
-            and stored in _SEPARATORS
-            and tuple(chunks[1:]) == tuple(max(s, 1) for s in shape[1:])
-        )
-        separator = str(stored)
-    if not direct:
+    direct = _direct_layout(backend, group, name, layout, separator)
+    if direct is None:
         if backend.local:  # zarr opens its chunks plainly: a FIFO among them would block
             _refuse_special_files(backend.path(f"{group}/{name}"), f"{group}/{name}")
         out = np.asarray(zarr.open_array(backend.zarr_store(group), path=name, mode="r")[...])
         return out, array_checksum(out)
+    shape, dtype, chunks, separator = direct
     out = np.empty(shape, dtype=dtype)
+    array_crc = _scan(backend, f"{group}/{name}", shape, dtype, chunks, separator, out, None)
+    return out, f"crc32c:{array_crc:08x}"
+
+
+def verify_array(
+    backend: Backend,
+    group: str,
+    name: str,
+    layout: tuple[tuple[int, ...], str, tuple[int, ...]] | None = None,
+    separator: str = "/",
+    seen: Callable[[int, memoryview], None] | None = None,
+) -> str | None:
+    """`read_array`'s checks without the array: every chunk's crc32c, and the checksum
+    of the C-order bytes returned, streamed `_PIECE` bytes at a time through one
+    scratch buffer, so checking an array larger than memory holds no more than a piece
+    of it (a remote backend's read holds one chunk).
+
+    Args:
+        layout, separator: as `read_array`'s.
+        seen: called with (byte offset in the array, the bytes there) for each piece of
+            the array's bytes in order, once each (the bytes are valid only during the
+            call); a piece of a chunk whose crc32c fails later has been seen already.
+
+    Returns:
+        The `crc32c:` checksum of the array's C-order bytes, or None for an array not in
+        this module's chunk layout (zarr reads it: read it whole with `read_array`).
+
+    Raises:
+        FileNotFoundError: the array or one of its chunks is missing.
+        ValueError: a chunk is torn or fails its crc32c.
+    """
+    direct = _direct_layout(backend, group, name, layout, separator)
+    if direct is None:
+        return None
+    shape, dtype, chunks, separator = direct
+    array_crc = _scan(backend, f"{group}/{name}", shape, dtype, chunks, separator, None, seen)
+    return f"crc32c:{array_crc:08x}"
+
+
+def _direct_layout(
+    backend: Backend,
+    group: str,
+    name: str,
+    layout: tuple[tuple[int, ...], str, tuple[int, ...]] | None,
+    separator: str,
+) -> tuple[tuple[int, ...], np.dtype[Any], tuple[int, ...], str] | None:
+    """(shape, dtype, chunks, separator) of an array this module's direct path reads,
+    or None for one zarr must read (other codecs, another chunk grid)."""
+    if layout is not None:
+        return layout[0], np.dtype(layout[1]), layout[2], separator
+    meta = json.loads(backend.read_bytes(f"{group}/{name}/zarr.json"))
+    dtype = np.dtype(meta["data_type"])
+    shape = tuple(int(s) for s in meta["shape"])
+    chunks = tuple(int(c) for c in meta["chunk_grid"]["configuration"]["chunk_shape"])
+    encoding = meta.get("chunk_key_encoding")
+    config = encoding.get("configuration") if isinstance(encoding, dict) else None
+    stored = config.get("separator") if isinstance(config, dict) else None
+    direct = (
+        meta.get("codecs") == _expected_codecs(dtype)
+        and encoding == {"name": "default", "configuration": {"separator": stored}}
+        and stored in _SEPARATORS
+        and tuple(chunks[1:]) == tuple(max(s, 1) for s in shape[1:])
+    )
+    return (shape, dtype, chunks, str(stored)) if direct else None
+
+
+def _scan(
+    backend: Backend,
+    rel: str,
+    shape: tuple[int, ...],
+    dtype: np.dtype[Any],
+    chunks: tuple[int, ...],
+    separator: str,
+    out: np.ndarray | None,
+    seen: Callable[[int, memoryview], None] | None,
+) -> int:
+    """Read and check every chunk of array `rel` in order, into `out` (None: through a
+    scratch piece), each chunk's crc32c against its trailer.
+
+    Returns:
+        The crc32c of the array's C-order bytes.
+
+    Raises:
+        FileNotFoundError: a chunk is missing.
+        ValueError: a chunk is torn or fails its crc32c.
+    """
     n_chunks, rows = _layout(shape, chunks)
     array_crc = 0
     if n_chunks == 0:
-        return out, f"crc32c:{array_crc:08x}"
-    flat = _rows(out)
-    row_bytes = flat.shape[1] * dtype.itemsize
+        return array_crc
+    n_rows = 1 if not shape else shape[0]
+    row_bytes = dtype.itemsize * (math.prod(shape[1:]) if shape else 1)
+    flat = None if out is None else _rows(out)
     for i in range(n_chunks):
-        lo, hi = i * rows, min((i + 1) * rows, flat.shape[0])
+        lo, hi = i * rows, min((i + 1) * rows, n_rows)
         key = chunk_key(i, len(shape), separator)
-        target = flat[lo:hi].data.cast("B")
+        size = (hi - lo) * row_bytes
+        target = None if flat is None else flat[lo:hi].data.cast("B")
         stored_len = rows * row_bytes if shape else dtype.itemsize
-        payload_crc, pad, trailer = _read_chunk(
-            backend, f"{group}/{name}/{key}", target, stored_len
+        base = lo * row_bytes
+        payload_crc, chunk_crc, trailer = _read_chunk(
+            backend,
+            f"{rel}/{key}",
+            size,
+            stored_len,
+            target,
+            None if seen is None else functools.partial(_at, seen, base),
         )
         # one crc pass over the bytes serves both checks: the array's checksum is the
         # chunks' crcs combined
-        array_crc = payload_crc if i == 0 else crc32c_combine(array_crc, payload_crc, len(target))
-        chunk_crc = crc32c.crc32c(pad, payload_crc) if pad else payload_crc
+        array_crc = payload_crc if i == 0 else crc32c_combine(array_crc, payload_crc, size)
         if chunk_crc != int.from_bytes(trailer, "little"):
-            raise ValueError(f"chunk {group}/{name}/{key} fails its crc32c: it is damaged")
-    return out, f"crc32c:{array_crc:08x}"
+            raise ValueError(f"chunk {rel}/{key} fails its crc32c: it is damaged")
+    return array_crc
+
+
+def _at(seen: Callable[[int, memoryview], None], base: int, offset: int, piece: memoryview) -> None:
+    seen(base + offset, piece)
 
 
 def _refuse_special_files(top: str, rel: str) -> None:
@@ -343,26 +426,39 @@ def _refuse_special_files(top: str, rel: str) -> None:
 
 
 def _read_chunk(
-    backend: Backend, rel: str, target: memoryview, stored_len: int
-) -> tuple[int, bytes, bytes]:
-    """Fill `target` with the chunk's leading bytes, crc32c'd as they arrive.
+    backend: Backend,
+    rel: str,
+    size: int,
+    stored_len: int,
+    target: memoryview | None = None,
+    seen: Callable[[int, memoryview], None] | None = None,
+) -> tuple[int, int, bytes]:
+    """Read the chunk's leading `size` bytes into `target` (None: through one scratch
+    piece, kept nowhere), crc32c'd as they arrive, each piece handed to `seen`.
 
-    Returns (crc32c of `target`'s bytes, the padding after them, the crc trailer).
+    Returns (crc32c of those bytes, crc32c of the whole stored payload with its
+    padding, the crc trailer).
 
     On local disk the chunk is read `_PIECE` bytes at a time, each piece crc'd while it
     is still in cache: a whole 168 MB chunk (a ring row of a 42M model) read at once,
     then crc'd twice (chunk and array) from memory ran a restore at 0.5 of np.load's
-    (docs/benchmarks.md).
+    (docs/benchmarks.md). The padding of an edge chunk is read the same way, through a
+    scratch piece.
     """
     want = stored_len + 4
     if not backend.local:
-        raw = backend.read_bytes(rel)
+        raw = memoryview(backend.read_bytes(rel))
         if len(raw) != want:
             raise ValueError(f"chunk {rel} is {len(raw)} bytes, expected {want}: it is torn")
-        got = len(target)
-        target[:] = raw[:got]
-        rest = raw[got:]
-        return crc32c.crc32c(target), rest[:-4], rest[-4:]
+        if target is not None:
+            target[:] = raw[:size]
+        crc = 0
+        for lo in range(0, size, _PIECE):
+            piece = raw[lo : min(lo + _PIECE, size)]
+            crc = crc32c.crc32c(piece, crc)
+            if seen is not None:
+                seen(lo, piece)
+        return crc, crc32c.crc32c(raw[size:-4], crc), bytes(raw[-4:])
     fd = os.open(backend.path(rel), os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not hang
     try:
         st = os.fstat(fd)
@@ -370,21 +466,41 @@ def _read_chunk(
             raise ValueError(f"chunk {rel} is not a regular file: it is damaged")
         if st.st_size != want:
             raise ValueError(f"chunk {rel} is {st.st_size} bytes, expected {want}: it is torn")
+        pad = stored_len - size
+        # the pieces kept nowhere: the payload's when there is no target, the padding's
+        scratch = memoryview(bytearray(min(_PIECE, max(size if target is None else 0, pad, 1))))
         crc = 0
-        for lo in range(0, len(target), _PIECE):
-            piece = target[lo : lo + _PIECE]
-            filled = 0
-            while filled < len(piece):
-                got = os.readv(fd, [piece[filled:]])
-                if got == 0:
-                    raise ValueError(f"chunk {rel} is short: it is torn")
-                filled += got
+        for lo in range(0, size, _PIECE):
+            end = min(lo + _PIECE, size)
+            piece = target[lo:end] if target is not None else scratch[: end - lo]
+            _fill(fd, piece, rel)
             crc = crc32c.crc32c(piece, crc)
-        rest = os.read(fd, want - len(target) + 1)  # one byte more: a file grown since
+            if seen is not None:
+                seen(lo, piece)
+        chunk_crc = crc
+        for lo in range(0, pad, _PIECE):
+            piece = scratch[: min(_PIECE, pad - lo)]
+            _fill(fd, piece, rel)
+            chunk_crc = crc32c.crc32c(piece, chunk_crc)
+        trailer = os.read(fd, 5)  # one byte more: a file grown since
     finally:
         os.close(fd)
-    if len(rest) != want - len(target):
+    if len(trailer) != 4:
         raise ValueError(
-            f"chunk {rel} is {len(target) + len(rest)} bytes, expected {want}: it is torn"
+            f"chunk {rel} is {stored_len + len(trailer)} bytes, expected {want}: it is torn"
         )
-    return crc, rest[:-4], rest[-4:]
+    return crc, chunk_crc, trailer
+
+
+def _fill(fd: int, piece: memoryview, rel: str) -> None:
+    """Fill `piece` from `fd`'s position.
+
+    Raises:
+        ValueError: the file ends first (it is torn).
+    """
+    filled = 0
+    while filled < len(piece):
+        got = os.readv(fd, [piece[filled:]])
+        if got == 0:
+            raise ValueError(f"chunk {rel} is short: it is torn")
+        filled += got

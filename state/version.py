@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import threading
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .arrays import read_array
+from .arrays import read_array, verify_array
 from .errors import CorruptVersionError, UnsafePathError
 from .manifest import ArrayMeta, Manifest
 from .paths import array_group, unsafe_path_reason
@@ -16,7 +17,7 @@ from .paths import array_group, unsafe_path_reason
 if TYPE_CHECKING:
     from .store import Store
 
-__all__ = ["Version", "read_verified"]
+__all__ = ["Version", "read_verified", "verify_streamed"]
 
 _READ_THREADS = 8
 
@@ -25,6 +26,12 @@ _READ_THREADS = 8
 #: again when asked for: a version larger than RAM, a ring history on a far tier, is
 #: verified and restored in bounded memory instead of held whole.
 KEEP_BYTES = 1 << 30
+
+#: `Version.verify` checks an array larger than this (or one the `KEEP_BYTES` it keeps
+#: would not hold) by a streamed pass, a piece at a time, instead of reading it whole:
+#: verifying a version never holds a large array (a CSC read in windows, a ring row
+#: on a far tier), which is read, and verified again, only if someone asks for it.
+STREAM_BYTES = 64 << 20
 
 
 class Version:
@@ -73,17 +80,37 @@ class Version:
         return arr
 
     def verify(self) -> None:
-        """Read and check every array (raises CorruptVersionError on the first bad one,
-        in name order).
+        """Check every array (raises CorruptVersionError on the first bad one, in name
+        order).
 
-        Arrays are read by a few threads at once: file reads and crc32c release the
-        GIL, and a cold restore is bound by read latency, which overlapping hides.
+        Arrays up to `STREAM_BYTES` are read whole and kept (up to `KEEP_BYTES`) for the
+        restore that follows; the others are checked by a streamed pass that holds a
+        piece of them at a time (`verify_streamed`), the same checks with the same
+        verdicts, and read whole only if `array` is asked for them. Arrays are checked
+        by a few threads at once: file reads and crc32c release the GIL, and a cold
+        restore is bound by read latency, which overlapping hides.
         """
         names = self.array_names()
+        planned = self._kept
+        stream: set[str] = set()
+        for n in names:
+            size = _nbytes(self.manifest.arrays[n])
+            if n in self._cache:
+                continue
+            if size > STREAM_BYTES or planned + size > KEEP_BYTES:
+                stream.add(n)
+            else:
+                planned += size
         with concurrent.futures.ThreadPoolExecutor(max_workers=_READ_THREADS) as pool:
-            futures = [pool.submit(self.array, n) for n in names]
+            futures = [pool.submit(self._check, n, n in stream) for n in names]
         for fut in futures:
             fut.result()
+
+    def _check(self, name: str, stream: bool) -> None:
+        if not stream or not verify_streamed(
+            self.store, self.version, name, self.manifest.arrays[name]
+        ):
+            self.array(name)
 
     def __repr__(self) -> str:
         return f"Version({self.version}, step={self.step}, arrays={len(self.manifest.arrays)})"
@@ -124,6 +151,53 @@ def read_verified(store: Store, version: int, name: str, meta: ArrayMeta) -> np.
             path=meta.path,
         )
     return arr
+
+
+def verify_streamed(store: Store, version: int, name: str, meta: ArrayMeta) -> bool:
+    """`read_verified`'s checks of array `name`, streamed (`state.arrays.verify_array`):
+    confined, every chunk's crc32c and the whole array's checksum, with the same
+    errors, holding a piece of the array at a time.
+
+    Returns:
+        False for an array in a layout only zarr reads (nothing checked: read it with
+        `read_verified`), True once it is checked.
+
+    Raises:
+        UnsafePathError: `meta.path` leaves the store.
+        CorruptVersionError: the array is missing, torn, or fails its checksum.
+    """
+    where = f"version {version} of {store.url}: array {meta.path}"
+    check_confined(store, version, name, meta)
+    group, sub = array_group(meta.path)
+    try:
+        layout = None if meta.chunks is None else (meta.shape, meta.dtype, meta.chunks)
+        got = store.retry.call(
+            lambda: verify_array(store.backend, group, sub, layout, meta.separator)
+        )
+    except Exception as exc:  # zarr.json may be missing or not JSON, as for read_array
+        raise CorruptVersionError(
+            f"{where} cannot be read ({type(exc).__name__}: {exc}); it is missing or torn",
+            version=version,
+            path=meta.path,
+        ) from exc
+    if got is None:
+        return False
+    if got != meta.checksum:
+        raise CorruptVersionError(
+            f"{where} checksum mismatch ({got} != {meta.checksum})",
+            version=version,
+            path=meta.path,
+        )
+    return True
+
+
+def _nbytes(meta: ArrayMeta) -> int:
+    """What array `meta` takes in memory (0 for a dtype numpy does not know: reading
+    it reports it)."""
+    try:
+        return math.prod(meta.shape) * np.dtype(meta.dtype).itemsize
+    except TypeError:
+        return 0
 
 
 def check_confined(store: Store, version: int, name: str, meta: ArrayMeta) -> None:

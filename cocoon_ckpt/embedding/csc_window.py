@@ -7,7 +7,8 @@ column. While step t uses its window, a background thread reads the next one, so
 most two windows are resident: the current one and the next.
 
 What is verified, and when. `CscWindows` first streams every chunk of the stored
-`rows` and `values` once, one chunk in memory at a time: each chunk's crc32c and the
+`rows` and `values` once, a piece in memory at a time (`state.arrays.verify_array`,
+the pass `state.Version.verify` makes over a large array): each chunk's crc32c and the
 whole array's checksum against the manifest, what the whole-CSC path checks
 (`state.Version.array`). In the same pass it records the crc32c of every window's
 bytes; a window read later is checked against that crc before any of it is used, so a
@@ -45,7 +46,8 @@ from state import (
     Version,
     array_checksum,
 )
-from state.arrays import chunk_key
+from state.arrays import chunk_key, verify_array
+from state.paths import array_group
 from state.version import check_confined
 
 __all__ = [
@@ -406,7 +408,7 @@ class CscWindows:
 def verify_part(version: Version, param: str, name: str) -> None:
     """Array `name` (`rows` or `values`) of table `param`'s CSC in `version`, checked as
     `CscWindows` checks it on open: every chunk's crc32c and the whole array's checksum
-    against the manifest, one chunk in memory at a time (how the tools verify a CSC
+    against the manifest, a piece in memory at a time (how the tools verify a CSC
     without holding it).
 
     Raises:
@@ -441,6 +443,7 @@ class _ArrayReader:
         self.shape = meta.shape
         self.row_bytes = math.prod(meta.shape[1:]) * self.dtype.itemsize
         self.chunk_rows = int(meta.chunks[0])
+        self.layout = (meta.shape, meta.dtype, meta.chunks)
         self.stored_len = self.chunk_rows * self.row_bytes
         self.chunks = -(-meta.shape[0] // self.chunk_rows) if meta.shape[0] else 0
         self.stored = stored
@@ -454,27 +457,25 @@ class _ArrayReader:
         return damaged(self.stored, self.meta.path, f"array {self.meta.path} {what}")
 
     def verify(self, edges: np.ndarray) -> list[int]:
-        """Check every chunk and the whole array's checksum, one chunk in memory at a
-        time; the crc32c of each window's bytes (`edges`: byte offsets, `WindowCrcs`)."""
-        crcs = WindowCrcs(edges)
-        whole = 0
-        for i in range(self.chunks):
-            data = self.store.retry.call(functools.partial(self._chunk, i))
-            if len(data) != self.stored_len + 4:
-                raise self._corrupt(f"chunk {i} is {len(data)} bytes, not {self.stored_len + 4}")
-            view = memoryview(data)
-            if crc32c.crc32c(view[:-4]) != int.from_bytes(view[-4:], "little"):
-                raise self._corrupt(f"chunk {i} fails its crc32c")
-            lo = i * self.chunk_rows * self.row_bytes
-            size = (min((i + 1) * self.chunk_rows, self.shape[0]) * self.row_bytes) - lo
-            whole = crc32c.crc32c(view[:size], whole)
-            crcs.feed(lo, view[:size])
-        if f"crc32c:{whole:08x}" != self.meta.checksum:
+        """Check every chunk and the whole array's checksum, a piece in memory at a
+        time (`state.arrays.verify_array`, what `Version.verify` streams); the crc32c
+        of each window's bytes (`edges`: byte offsets, `WindowCrcs`)."""
+        group, sub = array_group(self.meta.path)
+
+        def attempt() -> tuple[WindowCrcs, str | None]:
+            crcs = WindowCrcs(edges)  # afresh on each try: a retried pass feeds it again
+            got = verify_array(
+                self.store.backend, group, sub, self.layout, self.meta.separator, crcs.feed
+            )
+            return crcs, got
+
+        try:
+            crcs, whole = self.store.retry.call(attempt)
+        except (OSError, ValueError) as exc:
+            raise self._corrupt(f"cannot be read ({exc})") from exc
+        if whole != self.meta.checksum:
             raise self._corrupt(f"fails its checksum (the manifest says {self.meta.checksum})")
         return crcs.crcs
-
-    def _chunk(self, i: int) -> bytes:
-        return self.store.backend.read_bytes(self._rel(i))
 
     def read(self, lo: int, hi: int, want: int, window: int) -> np.ndarray:
         """Elements [lo, hi) along axis 0, checked against `want`, their crc32c."""
