@@ -8,7 +8,7 @@ state.paths'. A store is opened on any `Backend` (state.backend).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import fsspec
@@ -239,18 +239,29 @@ class Store:
             manifest.authenticate(self.mac_key, where=self.url)
         return manifest
 
-    def read(self, version: int, *, verify: bool = True) -> Version:
-        """Version `version`; with `verify`, every array is read and checked now."""
+    def read(
+        self, version: int, *, verify: bool = True, stream: Callable[[str], bool] | None = None
+    ) -> Version:
+        """Version `version`; with `verify`, every array is read and checked now (those
+        `stream` names by a streamed pass: `Version.verify`)."""
         v = Version(self, self.manifest(version))
         if verify:
-            v.verify()
+            v.verify(stream)
         return v
 
-    def latest(self, *, verify: bool = True, allow_fallback: bool = False) -> Version | None:
+    def latest(
+        self,
+        *,
+        verify: bool = True,
+        allow_fallback: bool = False,
+        stream: Callable[[str], bool] | None = None,
+    ) -> Version | None:
         """The newest version that parses and verifies; None for an empty store.
 
         Args:
             verify: read and check every array of the candidate.
+            stream: the arrays the caller reads in pieces, if not read whole
+                (`Version.verify`).
             allow_fallback: if the newest is damaged, log it and try older ones;
                 otherwise raise.
 
@@ -261,7 +272,7 @@ class Store:
         errors: list[CorruptVersionError] = []
         for v in reversed(self.versions()):
             try:
-                return self.read(v, verify=verify)
+                return self.read(v, verify=verify, stream=stream)
             except CorruptVersionError as exc:
                 if not allow_fallback:
                     older = [x for x in self.versions() if x < v]

@@ -15,6 +15,8 @@ from .manifest import ArrayMeta, Manifest
 from .paths import array_group, unsafe_path_reason
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .store import Store
 
 __all__ = ["Version", "read_verified", "verify_streamed"]
@@ -27,12 +29,13 @@ _READ_THREADS = 8
 #: verified and restored in bounded memory instead of held whole.
 KEEP_BYTES = 1 << 30
 
-#: `Version.verify` checks an array larger than this (or one the `KEEP_BYTES` it keeps
-#: would not hold) by a streamed pass, a piece at a time, instead of reading it whole:
-#: verifying a version never holds a large array (a CSC read in windows, a ring row
-#: on a far tier), which is read, and verified again, only if someone asks for it. The
-#: price: a restore reads such an array twice (a hot restore of 128 MiB arrays took
-#: 1.1-1.9x the time of verifying them whole and keeping them, /tmp-backed page cache).
+#: Where its caller does not say which arrays it will read in pieces (`Version.verify`'s
+#: `stream`), `Version.verify` checks an array larger than this (or one the `KEEP_BYTES`
+#: it keeps would not hold) by a streamed pass, a piece at a time, instead of reading it
+#: whole. The price: a restore reads such an array twice (a hot restore of 128 MiB
+#: arrays took 1.1-1.9x the time of verifying them whole and keeping them), so a
+#: resume names the arrays it reads in windows instead (`train.start`), and the rest
+#: are read once and kept.
 STREAM_BYTES = 64 << 20
 
 
@@ -81,30 +84,32 @@ class Version:
                 self._kept += arr.nbytes
         return arr
 
-    def verify(self) -> None:
+    def verify(self, stream: Callable[[str], bool] | None = None) -> None:
         """Check every array (raises CorruptVersionError on the first bad one, in name
         order).
 
-        Arrays up to `STREAM_BYTES` are read whole and kept (up to `KEEP_BYTES`) for the
-        restore that follows; the others are checked by a streamed pass that holds a
-        piece of them at a time (`verify_streamed`), the same checks with the same
-        verdicts, and read whole only if `array` is asked for them. Arrays are checked
+        Arrays are read whole and kept (up to `KEEP_BYTES`) for the restore that
+        follows, except those `stream` names (by default those over `STREAM_BYTES`) and
+        those the kept bytes would not hold: they are checked by a streamed pass that
+        holds a piece of them at a time (`verify_streamed`), the same checks with the
+        same verdicts, and read whole only if `array` is asked for them. Arrays are checked
         by a few threads at once: file reads and crc32c release the GIL, and a cold
         restore is bound by read latency, which overlapping hides.
         """
         names = self.array_names()
         planned = self._kept
-        stream: set[str] = set()
+        streamed: set[str] = set()
         for n in names:
             size = _nbytes(self.manifest.arrays[n])
             if n in self._cache:
                 continue
-            if size > STREAM_BYTES or planned + size > KEEP_BYTES:
-                stream.add(n)
+            named = size > STREAM_BYTES if stream is None else stream(n)
+            if named or planned + size > KEEP_BYTES:
+                streamed.add(n)
             else:
                 planned += size
         with concurrent.futures.ThreadPoolExecutor(max_workers=_READ_THREADS) as pool:
-            futures = [pool.submit(self._check, n, n in stream) for n in names]
+            futures = [pool.submit(self._check, n, n in streamed) for n in names]
         for fut in futures:
             fut.result()
 

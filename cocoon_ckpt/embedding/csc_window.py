@@ -56,6 +56,7 @@ __all__ = [
     "StoredCSC",
     "WindowCrcs",
     "damaged",
+    "read_in_windows",
     "verify_part",
     "window_edges",
     "window_layout",
@@ -520,3 +521,12 @@ class _ArrayReader:
         if len(data) != size:
             raise self._corrupt(f"chunk {i} is short")
         return data
+
+
+def read_in_windows(name: str) -> bool:
+    """Whether a job whose CSC is read in windows reads version array `name` in
+    windows, never whole: a CSC's `rows` and `values` (`emb/<param>/csc/...`, a rank's
+    part `emb/<param>/csc/slots-<a>-<b>/...` included). A resume's verification
+    streams these (`state.version.Version.verify`) and reads every other array once."""
+    parts = name.split("/")
+    return len(parts) >= 4 and parts[0] == "emb" and "csc" in parts and parts[-1] in CSC_PARTS[1:]

@@ -28,6 +28,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 from cocoon_ckpt.dp import _validate as valid
+from cocoon_ckpt.embedding.csc_window import read_in_windows
 from cocoon_ckpt.keys import (
     check_key_file_place,
     key_id,
@@ -237,7 +238,7 @@ def _start_here(
             key = _job_key(store, key_file, resuming=bool(seen))
             if store is not None:  # versions read, and the commits sealed, by the key
                 authenticate(store, key, allow)
-            latest = _newest(store, key, allow) if store and seen else None
+            latest = _newest(store, key, allow, asked) if store and seen else None
             config = _with_sigma(asked, store, latest, store_url)
             resume = (store, latest) if store is not None and latest is not None else None
             trainer = None
@@ -284,10 +285,17 @@ def authenticate(store: Store, key: bytes, allow: ResumeAllowances) -> None:
     store.authenticate_with(manifest_mac_key(key), require=not allow.unauthenticated)
 
 
-def _newest(store: Store, key: bytes, allow: ResumeAllowances) -> Version | None:
-    """The version a resume continues, its manifest authenticated (`authenticate`)."""
+def _newest(store: Store, key: bytes, allow: ResumeAllowances, config: JobConfig) -> Version | None:
+    """The version a resume continues, its manifest authenticated (`authenticate`),
+    every array verified: read once and kept for the restore, but a CSC the job reads in
+    windows by a streamed pass (never whole)."""
+    emb = config.embedding
+    windowed = emb is not None and emb.csc_window_steps is not None
     try:
-        latest = store.latest(allow_fallback=allow.fallback)
+        latest = store.latest(
+            allow_fallback=allow.fallback,
+            stream=read_in_windows if windowed else (lambda _name: False),
+        )
     except UnauthenticatedVersionError as exc:
         sealed = sealed_under(store, key, below=exc.version)
         if sealed is not None:  # a format-4 writer seals every version it commits

@@ -14,12 +14,13 @@ import torch
 import state.version
 from cocoon_ckpt import DPConfig, JobConfig, run_job
 from cocoon_ckpt.embedding.config import EmbeddingConfig, TableMode
+from cocoon_ckpt.embedding.csc_window import read_in_windows
 from cocoon_ckpt.format.stored import model_state
 from cocoon_ckpt.train.options import JobOptions
 from state import Store, Version
 
 
-def _config() -> JobConfig:
+def _config(window: int | None = 3) -> JobConfig:
     return JobConfig(
         job="example:dlrm",
         dp=DPConfig(steps=10, batch_size=12, dataset_size=360, noise_multiplier=1.0, bands=4),
@@ -31,7 +32,7 @@ def _config() -> JobConfig:
             mode=TableMode.COALESCED,
             threat_model="final_model",
             hot_threshold=2,
-            csc_window_steps=3,
+            csc_window_steps=window,
         ),
     )
 
@@ -49,15 +50,14 @@ def _is_csc_data(name: str) -> bool:
 def test_a_windowed_job_resumed_never_reads_its_csc_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every non-empty array is streamed on verification (`STREAM_BYTES` 0: this CSC is
-    small), and no whole read (`Version.array`, `read_array`) touches the CSC's rows or values
+    """The CSC's rows and values are streamed on verification however small (the resume
+    names them: `read_in_windows`), and no whole read (`Version.array`, `read_array`) touches the CSC's rows or values
     during the resume, while they are verified and the job ends bit-exact."""
     opts = JobOptions(key_file=str(tmp_path / "k"))
     run_job(_config(), str(tmp_path / "once"), options=opts)
     store = tmp_path / "resumed"
     run_job(_config(), str(store), options=opts, stop_after=6)
 
-    monkeypatch.setattr(state.version, "STREAM_BYTES", 0)
     asked: list[str] = []
     whole: list[str] = []
     streamed: list[str] = []
@@ -98,3 +98,43 @@ def test_a_windowed_job_resumed_never_reads_its_csc_whole(
     want, got = _model(tmp_path / "once"), _model(store)
     assert want.keys() == got.keys()
     assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_a_job_reading_its_csc_whole_reads_each_array_once_on_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without windows the resume names nothing to stream: each array is read once,
+    verified and kept for the restore, however large (`STREAM_BYTES` 0 here), instead of
+    checked by a streamed pass and read again."""
+    opts = JobOptions(key_file=str(tmp_path / "k"))
+    store = tmp_path / "s"
+    run_job(_config(None), str(store), options=opts, stop_after=6)
+    monkeypatch.setattr(state.version, "STREAM_BYTES", 0)
+    streamed: list[str] = []
+    real_stream = state.version.verify_array
+
+    def stream(backend: Any, group: str, name: str, *a: Any, **k: Any) -> Any:
+        streamed.append(name)
+        return real_stream(backend, group, name, *a, **k)
+
+    monkeypatch.setattr(state.version, "verify_array", stream)
+    run_job(_config(None), str(store), options=opts)
+    assert streamed == []
+    assert Store.open(str(store), create=False).latest() is not None
+
+
+@pytest.mark.parametrize(
+    ("name", "windowed"),
+    [
+        ("emb/t0/csc/rows", True),
+        ("emb/t0/csc/values", True),
+        ("emb/t0/csc/col_ptr", False),
+        ("emb/t0/csc/slots-0-64/rows", True),
+        ("emb/t0/csc/slots-0-64/col_ptr", False),
+        ("emb/t0/hot/rows", False),
+        ("model/csc/rows", False),
+        ("rows", False),
+    ],
+)
+def test_the_arrays_read_in_windows_are_a_cscs_rows_and_values(name: str, windowed: bool) -> None:
+    assert read_in_windows(name) is windowed
