@@ -1,4 +1,5 @@
-"""A job for the multi-process refusal tests: the mlp example, broken on purpose where
+"""Rank jobs' helpers (a free port, torchrun's environment) and a job for the
+multi-process refusal tests: the mlp example, broken on purpose where
 `JobConfig.options["fault"]` says, on every rank or on one (`options["fault_rank"]`).
 
 `python -m cocoon_ckpt train --job tests.cocoon_ckpt.rank_jobs:build --job-option
@@ -8,6 +9,7 @@ fault=optimizer` runs it from the repository root.
 from __future__ import annotations
 
 import os
+import socket
 
 import torch
 
@@ -15,7 +17,7 @@ from cocoon_ckpt import JobConfig
 from cocoon_ckpt.examples import mlp
 from cocoon_ckpt.train.parts import JobParts
 
-__all__ = ["build"]
+__all__ = ["build", "free_port", "rank_env"]
 
 
 def build(config: JobConfig) -> JobParts:
@@ -40,3 +42,25 @@ def build(config: JobConfig) -> JobParts:
     elif fault == "half":
         parts.model.half()
     return JobParts(model=parts.model, optimizer=optimizer, loss_fn=parts.loss_fn, dataset=data)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_env(
+    base: dict[str, str], world: int, rank: int, port: str, crash_at: str | None = None
+) -> dict[str, str]:
+    """`base` with the environment torchrun gives rank `rank` of `world` (nothing added
+    for one process), and the crash point `crash_at` armed (`COCOON_CRASH_AT`)."""
+    env = dict(base)
+    if world > 1:
+        env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world)})
+        env.update({"RANK": str(rank), "LOCAL_RANK": str(rank)})
+        env["LOCAL_WORLD_SIZE"] = str(world)
+    if crash_at is not None:
+        env["COCOON_CRASH_AT"] = crash_at
+    return env

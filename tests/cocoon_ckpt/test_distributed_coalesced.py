@@ -16,7 +16,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +41,7 @@ from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.format.stored import model_state, records_of
 from cocoon_ckpt.train.distributed import check_distributed
 from state import Store, Version
+from tests.cocoon_ckpt.rank_jobs import free_port, rank_env
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 STEPS = 12
@@ -80,12 +80,6 @@ def _train_args(store: Path, key: Path, *extra: str) -> list[str]:
     ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(
     world: int,
     store: Path,
@@ -99,16 +93,10 @@ def _run(
     torchrun gives them; rank r's applied columns logged to `logs`-r.jsonl, its stderr
     to `logs`-r.err; their exit codes. `args`: other `train` arguments; `fails`: a
     failure is expected (as with `crash_at`)."""
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(world):
-        env = dict(ENV)
-        if world > 1:
-            env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world)})
-            env.update({"RANK": str(rank), "LOCAL_RANK": str(rank)})
-            env["LOCAL_WORLD_SIZE"] = str(world)
-        if crash_at is not None:
-            env["COCOON_CRASH_AT"] = crash_at
+        env = rank_env(ENV, world, rank, port, crash_at)
         train = args if args is not None else _train_args(store, key)
         cmd = [sys.executable, "-c", _RECORDING, f"{logs}-{rank}.jsonl", *train]
         with open(f"{logs}-{rank}.err", "wb") as err:
@@ -363,7 +351,7 @@ ctx = None
 
 
 def test_a_group_the_library_started_is_destroyed_on_every_exit(tmp_path: Path) -> None:
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(2):
         env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2"}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ from cocoon_ckpt.errors import ConfigError
 from cocoon_ckpt.format.stored import model_state
 from cocoon_ckpt.train.distributed import check_distributed
 from state import Store, Version
+from tests.cocoon_ckpt.rank_jobs import free_port, rank_env
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 STEPS = 12
@@ -62,12 +62,6 @@ def _train_args(store: Path, key: Path, mode: str = "lazy", bands: int = 1) -> l
     ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(
     world: int,
     store: Path,
@@ -80,16 +74,10 @@ def _run(
     torchrun gives them; rank r's draws logged to `logs`-r.jsonl, its stderr to
     `logs`-r.err; their exit codes. `args`: other `train` arguments, whose failure is
     expected (as with `crash_at`)."""
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(world):
-        env = dict(ENV)
-        if world > 1:
-            env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world)})
-            env.update({"RANK": str(rank), "LOCAL_RANK": str(rank)})
-            env["LOCAL_WORLD_SIZE"] = str(world)
-        if crash_at is not None:
-            env["COCOON_CRASH_AT"] = crash_at
+        env = rank_env(ENV, world, rank, port, crash_at)
         train = args if args is not None else _train_args(store, key)
         cmd = [sys.executable, "-c", _RECORDING, f"{logs}-{rank}.jsonl", *train]
         with open(f"{logs}-{rank}.err", "wb") as err:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from cocoon_ckpt.embedding.csc_shards import whole_csc
 from cocoon_ckpt.embedding.stored_tiles import PRECOMPUTE, StoredTiles
 from cocoon_ckpt.format.stored import records_of
 from state import FencedError, Store, Version
+from tests.cocoon_ckpt.rank_jobs import free_port, rank_env
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 TILE_ROWS = 32
@@ -51,25 +51,13 @@ def _args(store: Path, key: Path) -> list[str]:
     ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(world: int, store: Path, key: Path, crash_at: str | None = None) -> list[tuple[int, str]]:
     """The job on `world` ranks (one process when 1), with torchrun's environment:
     each rank's exit code and stderr."""
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(world):
-        env = dict(ENV)
-        if world > 1:
-            env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world)})
-            env.update({"RANK": str(rank), "LOCAL_RANK": str(rank)})
-            env["LOCAL_WORLD_SIZE"] = str(world)
-        if crash_at is not None:
-            env["COCOON_CRASH_AT"] = crash_at
+        env = rank_env(ENV, world, rank, port, crash_at)
         cmd = [sys.executable, "-c", _TRAIN, *_args(store, key)]
         procs.append(
             subprocess.Popen(
