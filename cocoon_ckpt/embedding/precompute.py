@@ -24,6 +24,7 @@ stall when other processes share the cores.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -320,19 +321,31 @@ def _run_pool(
 ) -> None:
     """Tiles `pending` on `workers` threads, each finished one handed to `finish` in the
     caller's thread as soon as it is done (not in tile order: a tile kept as it ends is
-    not lost waiting for a slower one before it). An error in a worker or in `finish`
-    (a fenced writer, a crash point) cancels the tiles not yet started and is raised
-    once the running ones end."""
+    not lost waiting for a slower one before it). At most 2 x `workers` tiles are
+    submitted ahead of `finish`, and a tile's entries go once handed on: with every tile
+    submitted at once, the workers ran ahead of a slower `finish` (the store's writes)
+    and each future kept its result to the pool's end, up to the whole CSC. An error in
+    a worker or in `finish` (a fenced writer, a crash point) cancels the tiles not yet
+    started and is raised once the running ones end."""
+    ahead = 2 * workers
+    todo = iter(pending)
     with ThreadPoolExecutor(
         workers, thread_name_prefix="cocoon-pre", initializer=_single_threaded
     ) as pool:
-        futures: dict[Future[TileEntries], int] = {pool.submit(run, i): i for i in pending}
+        futures: dict[Future[TileEntries], int] = {}
+
+        def feed() -> None:
+            for i in itertools.islice(todo, max(ahead - len(futures), 0)):
+                futures[pool.submit(run, i)] = i
+
         try:
-            left = set(futures)
-            while left:
-                finished, left = wait(left, return_when=FIRST_COMPLETED)
+            feed()
+            while futures:
+                finished, _ = wait(futures, return_when=FIRST_COMPLETED)
                 for fut in sorted(finished, key=futures.__getitem__):
-                    finish(futures[fut], fut.result())
+                    finish(futures.pop(fut), fut.result())
+                del finished, fut  # their entries go before the next tiles are computed
+                feed()
         except BaseException:
             for fut in futures:
                 fut.cancel()
