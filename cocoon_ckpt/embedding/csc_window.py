@@ -473,7 +473,10 @@ class _ArrayReader:
         try:
             crcs, whole = self.store.retry.call(attempt)
         except (OSError, ValueError) as exc:
-            raise self._corrupt(f"cannot be read ({exc})") from exc
+            # worded as a whole read words it (`state.version.read_verified`)
+            raise self._corrupt(
+                f"cannot be read ({type(exc).__name__}: {exc}); it is missing or torn"
+            ) from exc
         if whole != self.meta.checksum:
             raise self._corrupt(f"fails its checksum (the manifest says {self.meta.checksum})")
         return crcs.crcs
