@@ -12,35 +12,17 @@ import pytest
 import torch
 
 import state.version
-from cocoon_ckpt import DPConfig, JobConfig, run_job
-from cocoon_ckpt.embedding.config import EmbeddingConfig, TableMode
+from cocoon_ckpt import JobConfig, run_job
 from cocoon_ckpt.embedding.csc_window import read_in_windows
-from cocoon_ckpt.format.stored import model_state
 from cocoon_ckpt.train.options import JobOptions
 from state import Store, Version
+from tests.cocoon_ckpt.test_csc_window import _config as whole_job_config
+from tests.cocoon_ckpt.test_csc_window import _model
 
 
 def _config(window: int | None = 3) -> JobConfig:
-    return JobConfig(
-        job="example:dlrm",
-        dp=DPConfig(steps=10, batch_size=12, dataset_size=360, noise_multiplier=1.0, bands=4),
-        options={"tables": [90, 40, 7], "dim": 3, "dense": 4, "dtype": "float64"},
-        checkpoint_every=4,
-        async_checkpoint=False,
-        lr=0.5,
-        embedding=EmbeddingConfig(
-            mode=TableMode.COALESCED,
-            threat_model="final_model",
-            hot_threshold=2,
-            csc_window_steps=window,
-        ),
-    )
-
-
-def _model(store: Path) -> dict[str, torch.Tensor]:
-    version = Store.open(str(store), create=False).latest()
-    assert version is not None
-    return model_state(version)
+    """test_csc_window's small DLRM job, 10 steps."""
+    return whole_job_config(window, steps=10)
 
 
 def _is_csc_data(name: str) -> bool:
