@@ -13,7 +13,6 @@ before a byte is used, and the columns are the same bytes in the same order.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -41,9 +40,6 @@ WHOLE_BYTES = 64 << 20
 
 #: The mean bytes of a window the tools pick for a larger CSC of such a job.
 WINDOW_BYTES = 16 << 20
-
-#: Arrays verified at once by `verify_version` (file reads and crc32c release the GIL).
-_READ_THREADS = 8
 
 
 def csc_part(name: str) -> tuple[str, str] | None:
@@ -108,11 +104,12 @@ def verify_array(version: Version, name: str) -> None:
 def verify_version(version: Version) -> None:
     """Every array of `version` read and checked (`Version.verify`, the first bad one in
     name order raised), each streamed CSC one chunk at a time instead of whole."""
-    names = version.array_names()
-    with ThreadPoolExecutor(max_workers=_READ_THREADS) as pool:
-        futures = [pool.submit(verify_array, version, n) for n in names]
-    for fut in futures:
-        fut.result()
+
+    def streamed(name: str) -> bool:
+        part = csc_part(name)
+        return part is not None and window_steps(version.manifest, part[0]) is not None
+
+    version.verify(stream=streamed)
 
 
 def open_csc(version: Version, param: str) -> CoalescedCSC | CscWindows:
