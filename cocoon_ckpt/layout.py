@@ -12,6 +12,7 @@ __all__ = [
     "MODEL_PREFIX",
     "SCHEDULER_PREFIX",
     "array_kind",
+    "csc_array",
     "emb_name",
     "model_name",
     "optim_name",
@@ -104,3 +105,23 @@ def csc_part_name(param: str, start: int, stop: int, array: str) -> str:
     """Array `array` (`col_ptr`, `rows`, `values`) of the part of table `param`'s CSC
     that holds the cold slots [start, stop) (several ranks', `embedding.csc_shards`)."""
     return emb_name(param, f"csc/slots-{start}-{stop}/{array}")
+
+
+def csc_array(name: str) -> tuple[str, tuple[int, int] | None, str] | None:
+    """The inverse of `emb_name(param, "csc/<array>")` and `csc_part_name`: (param,
+    (start, stop) of a rank's part or None for a one-process CSC, array), or None for
+    any other array name. The one parser of CSC array names (the tools' and a resume's
+    choice of which arrays to stream both take it)."""
+    head, sep, tail = name.rpartition("/csc/")
+    if not sep or not head.startswith("emb/") or len(head) == len("emb/"):
+        return None
+    slots: tuple[int, int] | None = None
+    part, _, array = tail.rpartition("/")
+    if part:
+        start, dash, stop = part.removeprefix("slots-").partition("-")
+        if not part.startswith("slots-") or not dash or not (start.isdigit() and stop.isdigit()):
+            return None
+        slots = (int(start), int(stop))
+    if array not in ("col_ptr", "rows", "values"):
+        return None
+    return head[len("emb/") :], slots, array

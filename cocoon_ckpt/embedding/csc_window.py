@@ -36,7 +36,7 @@ import crc32c
 import numpy as np
 
 from cocoon_ckpt.embedding.csc import CoalescedCSC
-from cocoon_ckpt.layout import emb_name
+from cocoon_ckpt.layout import csc_array, emb_name
 from state import (
     ArrayMeta,
     CorruptVersionError,
@@ -531,5 +531,5 @@ def read_in_windows(name: str) -> bool:
     windows, never whole: a CSC's `rows` and `values` (`emb/<param>/csc/...`, a rank's
     part `emb/<param>/csc/slots-<a>-<b>/...` included). A resume's verification
     streams these (`state.version.Version.verify`) and reads every other array once."""
-    parts = name.split("/")
-    return len(parts) >= 4 and parts[0] == "emb" and "csc" in parts and parts[-1] in CSC_PARTS[1:]
+    parsed = csc_array(name)
+    return parsed is not None and parsed[2] in CSC_PARTS[1:]

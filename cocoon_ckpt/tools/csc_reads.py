@@ -20,7 +20,7 @@ from cocoon_ckpt.embedding.csc import CoalescedCSC
 from cocoon_ckpt.embedding.csc_shards import whole_csc
 from cocoon_ckpt.embedding.csc_window import CSC_PARTS, CscWindows, StoredCSC, verify_part
 from cocoon_ckpt.format.stored import records_of
-from cocoon_ckpt.layout import emb_name
+from cocoon_ckpt.layout import csc_array, emb_name
 from state import CorruptVersionError, Manifest, Version
 
 __all__ = [
@@ -43,12 +43,12 @@ WINDOW_BYTES = 16 << 20
 
 
 def csc_part(name: str) -> tuple[str, str] | None:
-    """(param, part) of a CSC's streamed array (`emb/<param>/csc/rows` or
-    `.../csc/values`); None for any other array name."""
-    head, sep, part = name.rpartition("/csc/")
-    if not sep or not head.startswith("emb/") or part not in ("rows", "values"):
+    """(param, part) of a one-process CSC's streamed array (`emb/<param>/csc/rows` or
+    `.../csc/values`); None for any other array name (a rank's part included)."""
+    parsed = csc_array(name)
+    if parsed is None or parsed[1] is not None or parsed[2] == "col_ptr":
         return None
-    return head[len("emb/") :], part
+    return parsed[0], parsed[2]
 
 
 def window_steps(manifest: Manifest, param: str) -> int | None:
