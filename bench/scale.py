@@ -40,6 +40,10 @@ adds the far worker's CPU time; peak RSS is the trainer's, the worker's beside i
     python bench/scale.py --85m                # 12 blocks, d 768, 12 heads (GPT-2 small)
     python bench/scale.py --85m --physical 8 --overlap-only  # 2 threads, wall clock
     python bench/scale.py --device cuda        # the same on a GPU
+    python bench/scale.py --85m --bands-table 1 8 32 --host-budget 4GB --far-dir /var/tmp
+                                               # the step against b in one table: plain
+                                               # (before and after) and ghost at each b,
+                                               # a ring over 4 GB on host 4 GB + far file
     python bench/scale.py --85m --far-only --host-budget 4GB --far-dir /var/tmp
                                                # b = 16 on the host vs host 4 GB + far file,
                                                # and b = 32 (10.6 GB of ring) on host + far
@@ -550,6 +554,73 @@ def far_table(
         )
 
 
+def bands_table(
+    spec: dict[str, Any], bands: list[int], budget: int | None, far_dir: str | None
+) -> None:
+    """The step's cost against b in one table: the non-private step (before and after
+    the DP rows, so the machine's drift shows) and our ghost DP step at each b, its ring
+    written whole before the timed steps. A ring larger than `budget` runs as the far
+    table does, over the host budget and a far file in `far_dir`; the rest all on the
+    host. Under it, where each DP step's time goes."""
+    rows: dict[str, dict[str, Any]] = {}
+    where: dict[str, str] = {}
+    first = run(spec, "non-private")
+    for b in sorted(bands):
+        sub = {**spec, "bands": b, "fill_ring": True, "breakdown": True}
+        name = f"ghost b={b}"
+        where[name] = "host"
+        if budget is not None and far_dir is not None and (b - 1) * _params(spec) * 4 > budget:
+            sub |= {"host_budget": budget, "far_dir": far_dir}
+            where[name] = f"host {budget / 1e9:g} GB + far"
+        if (r := run(sub, "ghost")) is not None:
+            rows[name] = r
+    last = run(spec, "non-private")
+    plain = [r for r in (first, last) if r is not None]
+    base = plain[0] if plain else None
+    if base is not None:  # the ratios against the mean of the two plain runs
+        base = {**base, "s": statistics.mean(r["s"] for r in plain)}
+        base["rss_mib"] = statistics.mean(r["rss_mib"] for r in plain)
+    print(
+        f"\nthe step against b: depth {spec['depth']}, d {spec['d']}, heads {spec['heads']}, "
+        f"seq {spec['seq']}, batch {spec['batch']}, physical {spec['physical']}, "
+        f"{spec['threads']} threads, {spec['clock']} clock"
+        + (f", {base['params'] / 1e6:.1f}M parameters" if base else "")
+    )
+    print(
+        f"  {'contender':<18} {'ring GB':>8} {'ring on':<18} {'s/step':>8} {'range':>15} "
+        f"{'first':>7} {'x plain':>8} {'peak RSS MiB':>13} {'x plain':>8} {'worker MiB':>11}"
+    )
+    for i, r in enumerate(plain):
+        lo, hi = r["range"]
+        print(
+            f"  {'non-private ' + ('before' if i == 0 and first else 'after'):<18} {0:8.2f} "
+            f"{'-':<18} {r['s']:8.3f} {lo:7.3f}-{hi:<7.3f} {r['first']:7.2f} "
+            f"{r['s'] / base['s'] if base else float('nan'):8.2f} {r['rss_mib']:13.0f} "
+            f"{r['rss_mib'] / base['rss_mib'] if base else float('nan'):8.2f} {0:11.0f}"
+        )
+    for name, r in rows.items():
+        b = int(name.split("=")[1])
+        lo, hi = r["range"]
+        ratio = r["s"] / base["s"] if base else float("nan")
+        mem = r["rss_mib"] / base["rss_mib"] if base else float("nan")
+        print(
+            f"  {name:<18} {(b - 1) * r['params'] * 4 / 1e9:8.2f} {where[name]:<18} "
+            f"{r['s']:8.3f} {lo:7.3f}-{hi:<7.3f} {r['first']:7.2f} {ratio:8.2f} "
+            f"{r['rss_mib']:13.0f} {mem:8.2f} {r.get('far_worker_mib', 0):11.0f}"
+            + (f"  {r['plan']}" if "plan" in r else "")
+        )
+    breakdown(rows, base)
+
+
+def _params(spec: dict[str, Any]) -> int:
+    """Parameters of the model `spec` describes (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        model = GPT(
+            spec["depth"], spec["d"], spec["heads"], spec["vocab"], spec["seq"], spec["classes"]
+        )
+    return sum(p.numel() for p in model.parameters())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -611,6 +682,13 @@ def main() -> None:
         help="drop the far file from the page cache before each step (read from the disk)",
     )
     p.add_argument(
+        "--bands-table",
+        type=int,
+        nargs="+",
+        help="only the step against b: the non-private step and our ghost DP step at each "
+        "b given (a ring over --host-budget on it and a far file in --far-dir)",
+    )
+    p.add_argument(
         "--memory",
         action="store_true",
         help="only peak RSS by owner and phase, ghost and vmap, with async checkpoints "
@@ -645,6 +723,9 @@ def main() -> None:
         import _scale_memory
 
         _scale_memory.report(spec, ["ghost", "vmap"], 4, 9, args.far_dir or "/var/tmp")
+        return
+    if args.bands_table:
+        bands_table(spec, args.bands_table, args.host_budget, args.far_dir)
         return
     if args.far_dir is not None and args.host_budget is not None:
         far_table(spec, args.host_budget, args.far_dir, args.far_bands, args.far_cold)
