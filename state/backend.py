@@ -158,6 +158,18 @@ class Backend(abc.ABC):
             if str(p).startswith(prefix)
         }
 
+    def modified(self, rel: str) -> float | None:
+        """When file `rel` was last written, seconds since the epoch (the storage's
+        clock), or None when the storage does not say or the file is gone."""
+        try:
+            info = self.retry.call(lambda: self.fs.info(self.path(rel)))
+        except FileNotFoundError:
+            return None
+        stamp = info.get("mtime", info.get("LastModified", info.get("last_modified")))
+        if isinstance(stamp, (int, float)):
+            return float(stamp)
+        return stamp.timestamp() if hasattr(stamp, "timestamp") else None
+
     # reads that another process's writes must not miss -----------------------------
     def invalidate(self, rel: str | None = None) -> None:
         """Forget what the filesystem cached about `rel` and its parents (None: about

@@ -7,7 +7,9 @@ stops being visible before any of its arrays is removed. Then every array no kep
 manifest names is deleted, array by array (state.reachability): a version folder whose
 ring slots a newer version still references keeps those slots and loses its model and
 optimizer copies. Folders above the newest manifest may be a write in flight and are
-never touched.
+never touched. Last, temp files a writer that died left under
+manifests/, leases/ and secret/, once older than `PARTIAL_GRACE_S`: a live writer's (the
+heartbeat's, the next commit's manifest) are newer.
 
 Every manifest is verified before anything is deleted: read every time, verified the
 first time its bytes are seen (`state.manifest_cache`), so a commit verifies only its
@@ -21,12 +23,14 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from . import hooks
 from .errors import CorruptVersionError, FormatVersionError
+from .lease import DEFAULT_LEASE_EXPIRY_S
 from .manifest import Manifest
 from .paths import (
     LEASES,
@@ -145,8 +149,8 @@ def retain(
     on_damage: OnDamage = OnDamage.STOP,
 ) -> list[str]:
     """Delete every version no policy keeps, then every array under versions/ no kept
-    manifest references (and any version folder left with none), then leftover temp
-    files.
+    manifest references (and any version folder left with none), then temp files
+    older than `PARTIAL_GRACE_S` (a live writer's are newer).
 
     Args:
         store: the store (its writer should hold the lease).
@@ -252,8 +256,25 @@ def _newest_verified(store: Store, manifests: Mapping[int, Manifest]) -> int | N
     return None
 
 
+#: A temp file is left over (a writer died writing it) once it is this old, seconds: a
+#: live writer's lives for one small write (a heartbeat, a manifest). Retention runs in
+#: the background after a commit, beside the same job's heartbeat and next commit; a sweep
+#: of every temp file had deleted the heartbeat's before its rename ("renewing lease ...
+#: failed", seen once under load) and could delete the next manifest's before its link,
+#: failing that commit. The lease's default expiry: what the store already takes as "a
+#: writer not heard from".
+PARTIAL_GRACE_S = DEFAULT_LEASE_EXPIRY_S
+
+
 def _partials(store: Store) -> Iterator[str]:
+    """Temp files under manifests/, leases/ and secret/ older than `PARTIAL_GRACE_S`
+    (one the storage gives no time for is left: a later sweep may know it)."""
+    backend = store.backend
+    now = time.time()
     for top in (MANIFESTS, LEASES, SECRET):
-        for name in store.backend.listdir(top):
-            if is_partial(name):
+        for name in backend.listdir(top):
+            if not is_partial(name):
+                continue
+            written = backend.modified(f"{top}/{name}")
+            if written is not None and now - written >= PARTIAL_GRACE_S:
                 yield f"{top}/{name}"
