@@ -196,7 +196,9 @@ class GhostGrads(PerSampleGrads):
         `out`: a (dim,) buffer of the sum's dtype and device that the sum is taken into
         (zeroed here, then returned as `summed`): the trainer's kept gradient buffer
         (`NoisyGradients.buffer`), so a step faults in no fresh (dim,) pages (343 MB at
-        85.9M parameters). None: a new tensor.
+        85.9M parameters). None: a new tensor. It is zeroed after the first chunk's
+        backward, right before the first sum is added: until then a trainer's first
+        step leaves its pages to the thread faulting them in (`train.warm.fault_in`).
 
         Raises:
             ValueError: physical_batch_size < 1 or the tensors disagree on n.
@@ -227,7 +229,7 @@ class GhostGrads(PerSampleGrads):
                 f"({self.dim},) {self.dtype} on {device}"
             )
         else:
-            summed = out.zero_()
+            summed = out  # zeroed by the first chunk, before its sums are added
         losses: list[torch.Tensor] = []
         norms: list[torch.Tensor] = []
         for a in range(0, n, step):
@@ -235,17 +237,24 @@ class GhostGrads(PerSampleGrads):
             if device is not None:
                 chunk = [d.to(device, non_blocking=True) for d in chunk]
             with torch.enable_grad():
-                loss, norm = self._ghost_chunk(chunk, max_grad_norm, summed)
+                loss, norm = self._ghost_chunk(
+                    chunk, max_grad_norm, summed, zero_first=a == 0 and out is not None
+                )
             losses.append(loss)
             norms.append(norm)
         loss = losses[0] if len(losses) == 1 else torch.cat(losses)
         return ClippedSum(summed, float(loss.mean()), [], _nonfinite(norms))
 
     def _ghost_chunk(
-        self, chunk: list[torch.Tensor], max_grad_norm: float, summed: torch.Tensor
+        self,
+        chunk: list[torch.Tensor],
+        max_grad_norm: float,
+        summed: torch.Tensor,
+        *,
+        zero_first: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One chunk, its clipped sum added into `summed` (dim,): (per-sample losses (m,),
-        gradient norms (m,))."""
+        """One chunk, its clipped sum added into `summed` (dim,), zeroed first if
+        `zero_first`: (per-sample losses (m,), gradient norms (m,))."""
         m = int(chunk[0].shape[0])
         sums: list[tuple[_Layer, dict[str, _Sum]]] = []
         try:
@@ -288,6 +297,8 @@ class GhostGrads(PerSampleGrads):
         scale = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
         # book-keeping: each parameter's clipped sum from what its norm kept, added into
         # its place in the flat sum (a layer that never ran adds nothing)
+        if zero_first:
+            summed.zero_()
         for x, layer_sums in sums:
             for name, fn in layer_sums.items():
                 at, numel = self._place[id(x.params[name])]

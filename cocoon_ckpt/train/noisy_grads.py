@@ -3,12 +3,14 @@ parameters' `.grad` on the model's device."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from cocoon_ckpt.dp.elementwise import add_div_into
+from cocoon_ckpt.train.warm import fault_in
 
 __all__ = ["NoisyGradients"]
 
@@ -31,6 +33,10 @@ class NoisyGradients:
     optimizer's `zero_grad` this was 0.1 ms of a 1.4 ms step of bench/dp_step.py's
     digits MLP). A parameter whose dtype is not the sum's gets a fresh gradient each
     step instead.
+
+    `reserve`, called when the trainer is built, makes that buffer there and faults its
+    pages in off the training thread (`train.warm.fault_in`), so the first step does not
+    pay for them.
     """
 
     def __init__(self, model: nn.Module, param_names: Sequence[str], batch_size: int) -> None:
@@ -40,6 +46,17 @@ class NoisyGradients:
         self.batch_size = batch_size
         self._flat: torch.Tensor | None = None
         self._views: list[torch.Tensor] = []
+        #: the thread faulting in the buffer's pages (None: none started)
+        self.faulting: threading.Thread | None = None
+
+    def reserve(self, dtype: torch.dtype, device: torch.device | None) -> torch.Tensor | None:
+        """Make the kept buffer now (`buffer`) and fault its pages in on a daemon thread
+        (on the CPU; a CUDA buffer is left to its allocator). No value depends on it: the
+        thread writes no byte, and the buffer is written whole before it is read."""
+        flat = self.buffer(dtype, device)
+        if flat is not None and self.faulting is None:
+            self.faulting = fault_in([flat])
+        return flat
 
     def set(self, summed: torch.Tensor, w: torch.Tensor) -> None:
         """`p.grad` = the parameter's slice of (summed + w) / B.

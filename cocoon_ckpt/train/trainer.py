@@ -201,6 +201,9 @@ class DPTrainer:
             ziggurat=self.noise_rng is NoiseRng.DEFAULT,
             threads=torch.get_num_threads(),
         )
+        # the gradient buffer a step keeps, made now and its pages faulted in off the
+        # training thread (`NoisyGradients.reserve`): the first step's first touch
+        self._noisy.reserve(self.grads.dtype, self.device)
         self.sampler = CyclicPoissonSampler(
             dataset_size=config.dataset_size,
             batch_size=config.batch_size,
