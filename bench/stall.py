@@ -12,10 +12,21 @@ One trainer (the mlp example at ~`--dim` parameters), steps timed one by one:
   - `async`: an asynchronous checkpoint (snapshot, then the write in the background),
   - `async-nice0`: the same with the writer thread at nice 0 (what a version below
     `BULK_BYTES` gets; the lowered writer is what lowering buys);
+  - `async-crc`: `async` with the lent ring rows' checksums taken on the training
+    thread, as before they were left to the writer (`SharedRows.defer_checksum`);
   each against `plain` (wall, and the training thread's own CPU time: the rest of a
   stall is the writer and the machine's load taking the cores), with the snapshot's own
-  time on the training thread.
+  time on the training thread: `save()`, its CPU time, and its model copy and noise
+  part (the ring rows' entries) inside it.
 Every ratio is a median over `--rounds` rounds of this run. Prints the machine's load.
+
+    python bench/stall.py --gpt --depth 8 --d 512 --bands 4 --physical 8 [--no-fault-in]
+
+The first step alone on bench/scale.py's GPT-shaped transformer (25.8M parameters at
+depth 8, d 512; ghost clipping, logical batch 8): its first step against the median of
+`--bands + 1` steady ones, by phase. `--no-fault-in` leaves the kept gradient buffer's
+pages to the first step (`train.warm.fault_in` off), the same-machine comparison; run
+the two alternately, one process each (a first step is once a process).
 """
 
 from __future__ import annotations
@@ -88,6 +99,37 @@ class PhaseClock:
         return total, spent
 
 
+class SaveParts:
+    """Seconds of `save()` in the model's copy and the noise part (the new ring rows'
+    entries), by wrapping the codec's part encoders; `defer` False takes the lent rows'
+    checksums on the training thread (as before the writer took them)."""
+
+    LABELS = ("model copy", "noise part")
+
+    def __init__(self) -> None:
+        from cocoon_ckpt.format import codec
+        from cocoon_ckpt.format.parts import noise as noise_part
+
+        self.spent: dict[str, float] = {}
+        self.defer = True
+        for mod, label in ((codec.model, "model copy"), (codec.noise, "noise part")):
+            mod.encode = self._wrap(mod.encode, label)  # type: ignore[method-assign]
+        deferred = noise_part.defer_row_checksum
+        noise_part.defer_row_checksum = lambda view, entry: (  # type: ignore[assignment]
+            self.defer and deferred(view, entry)
+        )
+
+    def _wrap(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+        def timed_call(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.spent[label] = self.spent.get(label, 0.0) + time.perf_counter() - t
+
+        return timed_call
+
+
 def main() -> None:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     p.add_argument("--dim", type=int, default=8_000_000, help="approximate model parameters")
@@ -95,12 +137,90 @@ def main() -> None:
     p.add_argument("--every", type=int, default=4, help="steps between checkpoints (k)")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
+    p.add_argument("--gpt", action="store_true", help="the first step of bench/scale.py's GPT")
+    p.add_argument("--depth", type=int, default=8)
+    p.add_argument("--d", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--physical", type=int, default=8)
+    p.add_argument("--clipping", default="ghost", choices=["ghost", "vmap"])
+    p.add_argument(
+        "--no-fault-in", action="store_true", help="the kept buffers' pages left to the first step"
+    )
     args = p.parse_args()
+    if args.no_fault_in:
+        from cocoon_ckpt.train import noisy_grads
+
+        noisy_grads.fault_in = lambda buffers: None  # type: ignore[assignment]
+    if args.gpt:
+        first_step_gpt(args)
+        return
     root = tempfile.mkdtemp(dir=args.dir)
     try:
         run(args, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def first_and_steady(trainer: Any, built: float, steps: int) -> None:
+    """Time the first step of `trainer` and `steps` steady ones, by phase, and print them."""
+    clock = PhaseClock(trainer)
+    first, first_phases = clock.step(trainer)
+    runs = [clock.step(trainer) for _ in range(steps)]
+    steady = [s for s, _ in runs]
+    print(
+        f"dim {trainer.dim}: build {built * 1e3:.0f} ms, first step {first * 1e3:.0f} ms, steady "
+        f"{statistics.median(steady) * 1e3:.0f} ms, ratio {first / statistics.median(steady):.2f}"
+    )
+    for label in first_phases:
+        mid = statistics.median(p.get(label, 0.0) for _, p in runs)
+        print(
+            f"  {label:<12} first {first_phases[label] * 1e3:7.0f} ms, steady {mid * 1e3:7.0f} ms"
+        )
+
+
+def first_step_gpt(args: argparse.Namespace) -> None:
+    """The first step of bench/scale.py's transformer in `DPTrainer` against steady ones."""
+    import scale  # bench/ is on sys.path: this file runs as a script from there
+    import torch
+
+    from cocoon_ckpt.train.data import Batch
+    from cocoon_ckpt.train.trainer import DPTrainer
+
+    print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    spec = dict(depth=args.depth, d=args.d, heads=args.heads, vocab=1024, seq=32, classes=16)
+    spec["batch"] = 8
+    model, x, y = scale.make(spec)
+    torch.set_num_threads(1)  # as bench/scale.py's contenders
+    cfg = DPConfig(
+        steps=10_000,
+        batch_size=8,
+        dataset_size=int(x.shape[0]),
+        noise_multiplier=1.0,
+        bands=args.bands,
+        physical_batch_size=args.physical,
+        clipping=args.clipping,
+    )
+    built = time.perf_counter()
+    trainer = DPTrainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        torch.nn.functional.cross_entropy,
+        (x, y),
+        cfg,
+        bytes(32),
+    )
+    built = time.perf_counter() - built
+    draw = trainer.train_step
+
+    def step() -> object:  # the same 8 examples every step, as bench/scale.py's
+        i = trainer.step_index % 64
+        idx = torch.arange(i * 8, i * 8 + 8)
+        return draw(Batch(trainer.step_index, idx, (x[idx], y[idx]), 8))
+
+    trainer.train_step = step  # type: ignore[method-assign]
+    first_and_steady(trainer, built, args.bands + 1)
+    print(f"load average at end: {os.getloadavg()[0]:.1f}")
+    trainer.close()
 
 
 def run(args: argparse.Namespace, root: str) -> None:
@@ -115,37 +235,29 @@ def run(args: argparse.Namespace, root: str) -> None:
     built = time.perf_counter()
     trainer = build_trainer(cfg, bytes(32))
     built = time.perf_counter() - built
-    clock = PhaseClock(trainer)
-    first, first_phases = clock.step(trainer)
-    runs = [clock.step(trainer) for _ in range(args.bands + 1)]
-    steady = [s for s, _ in runs]
-    print(
-        f"dim {trainer.dim}: build {built * 1e3:.0f} ms, first step {first * 1e3:.0f} ms, steady "
-        f"{statistics.median(steady) * 1e3:.0f} ms, ratio {first / statistics.median(steady):.2f}"
-    )
-    for label in first_phases:
-        mid = statistics.median(p.get(label, 0.0) for _, p in runs)
-        print(
-            f"  {label:<12} first {first_phases[label] * 1e3:7.0f} ms, steady {mid * 1e3:7.0f} ms"
-        )
+    first_and_steady(trainer, built, args.bands + 1)
     records: dict[str, object] = dict(job_records(cfg, trainer, bytes(32), None))
     records.setdefault("metrics", TrainingMetrics().to_record(0))
     stores = {}
-    for mode in ("async", "async-nice0"):
+    checkpointed = ("async", "async-nice0", "async-crc")
+    for mode in checkpointed:
         store = Store.open(os.path.join(root, f"{mode}.zarr"))
         store.acquire_lease()
         ck = Checkpointer(store, async_write=True, keep_last=2)
         if mode == "async-nice0":
             ck._bulk = ck._pool  # every version to the writer at nice 0
         stores[mode] = ck
-    modes = ["plain", "snap", "async", "async-nice0"]
+    modes = ["plain", "snap", *checkpointed]
+    parts = SaveParts()
     after: dict[str, list[float]] = {m: [] for m in modes}
     # the training thread's own CPU seconds in that step: what it does, not what the
     # writer and the machine's other load take from it
     own: dict[str, list[float]] = {m: [] for m in modes}
     snap_t: list[float] = []
-    write_t: dict[str, list[float]] = {"async": [], "async-nice0": []}
-    save_t: dict[str, list[float]] = {"async": [], "async-nice0": []}  # training thread
+    write_t: dict[str, list[float]] = {m: [] for m in checkpointed}
+    save_t: dict[str, list[float]] = {m: [] for m in checkpointed}  # training thread
+    save_cpu: dict[str, list[float]] = {m: [] for m in checkpointed}
+    save_parts: dict[str, list[dict[str, float]]] = {m: [] for m in checkpointed}
     for r in range(args.rounds):
         for mode in modes if r % 2 == 0 else modes[::-1]:
             for _ in range(args.every - 1):  # the ring moves on as a job's would
@@ -155,9 +267,13 @@ def run(args: argparse.Namespace, root: str) -> None:
                 snap_t.append(timed(lambda p=parent: take_snapshot(trainer, p, {})))  # type: ignore[misc]
             elif mode != "plain":
                 ck = stores[mode]
-                t0 = time.perf_counter()
+                parts.spent = {}
+                parts.defer = mode != "async-crc"
+                t0, c0 = time.perf_counter(), time.thread_time()
                 ck.save(trainer, dict(records))
                 save_t[mode].append(time.perf_counter() - t0)
+                save_cpu[mode].append(time.thread_time() - c0)
+                save_parts[mode].append(dict(parts.spent))
             c = time.thread_time()
             after[mode].append(timed(trainer.train_step))
             own[mode].append(time.thread_time() - c)
@@ -177,9 +293,14 @@ def run(args: argparse.Namespace, root: str) -> None:
         )
     print(f"dropped snapshot (fresh buffers): {statistics.median(snap_t) * 1e3:.0f} ms")
     for mode, ts in write_t.items():
+        split = ", ".join(
+            f"{k} {statistics.median(p.get(k, 0.0) for p in save_parts[mode]) * 1e3:.0f} ms"
+            for k in SaveParts.LABELS
+        )
         print(
             f"{mode}: save() on the training thread {statistics.median(save_t[mode]) * 1e3:.0f} ms"
-            f" (reused buffers), save to committed {statistics.median(ts) * 1e3:.0f} ms"
+            f" (CPU {statistics.median(save_cpu[mode]) * 1e3:.0f} ms; {split}), save to "
+            f"committed {statistics.median(ts) * 1e3:.0f} ms"
         )
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
 

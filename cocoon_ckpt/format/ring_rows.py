@@ -128,6 +128,7 @@ def encode_slots(
     *,
     take: Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray] = np.empty,
     lend: Callable[[RingHistory, int], np.ndarray | None] | None = None,
+    defer: Callable[[np.ndarray, RingSlot], bool] | None = None,
 ) -> list[RingSlot]:
     """A ring's slot entries: slots the parent holds are borrowed (their arrays
     referenced), the new ones copied into one (k, width) array, rows in step order
@@ -149,6 +150,9 @@ def encode_slots(
         lend: a row alone in its array (one of 16 MiB or more) as a view of the live
             ring instead of a copy (`SharedRows.lend`: guarded until written), or None
             to copy it.
+        defer: takes a lent row and its entry, and leaves the entry's checksum to the
+            writer, which computes it of the row's one-row array as it writes it
+            (`SharedRows.defer_checksum`); False, or None: computed here.
 
     Returns:
         The record's entries, in slot order.
@@ -172,7 +176,10 @@ def encode_slots(
         for row, (step, slot) in enumerate(run):
             if lent is None:
                 history.read(slot, out=block[row])  # straight into the snapshot
-            entries[slot] = [slot, step, name, row, row_checksum(block[row])]
+            entry: RingSlot = [slot, step, name, row, None]
+            if lent is None or defer is None or not defer(lent, entry):
+                entry[4] = row_checksum(block[row])
+            entries[slot] = entry
         arrays[name] = block
     for slot, step in held:
         if slot in entries or parent is None:

@@ -27,6 +27,7 @@ __all__ = [
     "SharingRing",
     "SnapshotBuffers",
     "Snapshot",
+    "defer_row_checksum",
     "host_copy",
     "lend_row",
 ]
@@ -126,7 +127,17 @@ class SharedRows:
     Only the rows of a version being written are lent (each `Checkpointer` has its own
     `SharedRows` and takes its snapshot under `lending`); a snapshot taken for any other
     use copies as before.
+
+    A lent row's checksum in its record entry (`format.ring_rows`) is left to the writer
+    (`defer_checksum`): the row is alone in its array, so it is the checksum the writer
+    computes of that array as it writes it, and `written` puts it in the entry. The
+    training thread no longer reads the rows at all (a crc32c pass over k rows, 128 MB
+    at 8M parameters, k = 4). The entry holds `PENDING_CHECKSUM` until then, which no
+    reader accepts; `check_checksums` refuses to let a record go out with one.
     """
+
+    #: a deferred row checksum's place-holder (not `crc32c:`: every reader refuses it)
+    PENDING_CHECKSUM = "pending"
 
     PENDING, WRITING, DONE = 0, 1, 2
 
@@ -137,6 +148,8 @@ class SharedRows:
         # array name -> [slot, state, ring]; the snapshot's arrays dict is updated on copy
         self._rows: dict[str, list[Any]] = {}
         self._arrays: dict[str, np.ndarray] | None = None
+        # every record entry whose checksum was deferred, until released
+        self._deferred: list[list[Any]] = []
 
     @contextlib.contextmanager
     def lending(self) -> Iterator[None]:
@@ -168,15 +181,41 @@ class SharedRows:
             if not any(r is ring for r in self._rings):
                 self._rings.append(ring)
                 ring.add_write_guard(self.before_overwrite)
-            # the lending order is the rows' step order (`encode_slots`)
+            # the lending order is the rows' step order (`encode_slots`); the last
+            # place: the record entry whose checksum the writer fills (`defer_checksum`)
             self._rows[f"#pending{len(self._rows)}"] = [
                 slot,
                 self.PENDING,
                 ring,
                 view,
                 len(self._rows),
+                None,
             ]
             return view
+
+    def defer_checksum(self, view: np.ndarray, entry: list[Any]) -> bool:
+        """Leave the checksum of a lent row (`view`, as `lend` returned it) to the writer:
+        `entry[4]` becomes `PENDING_CHECKSUM` until `written` fills it; False (nothing
+        changed) when `view` is no row lent now."""
+        with self._cond:
+            for lent in self._rows.values():
+                if lent[3] is view and lent[1] == self.PENDING:
+                    entry[4] = self.PENDING_CHECKSUM
+                    lent[5] = entry
+                    self._deferred.append(entry)
+                    return True
+            return False
+
+    def check_checksums(self) -> None:
+        """Raise unless every deferred checksum is filled: called before the records
+        are written, so a record never holds a place-holder."""
+        with self._cond:
+            for entry in self._deferred:
+                if entry[4] == self.PENDING_CHECKSUM:
+                    raise RuntimeError(
+                        f"the ring row of slot entry {entry[:4]} was not written, so the "
+                        "entry has no checksum: the version's records must not be written"
+                    )
 
     def adopt(self, arrays: dict[str, np.ndarray]) -> bool:
         """Bind the rows lent since `lending` to the snapshot's `arrays` (by identity);
@@ -212,12 +251,15 @@ class SharedRows:
                 entry[1] = self.WRITING
             return self._arrays[name]
 
-    def written(self, name: str) -> None:
-        """The writer is done with array `name`: the ring may overwrite its slot."""
+    def written(self, name: str, checksum: str | None = None) -> None:
+        """The writer is done with array `name`: the ring may overwrite its slot. With
+        `checksum` (the array's, as written), a lent row's deferred entry gets it."""
         with self._cond:
             entry = self._rows.get(name)
             if entry is not None:
                 entry[1] = self.DONE
+                if checksum is not None and entry[5] is not None:
+                    entry[5][4] = checksum
                 self._cond.notify_all()
 
     def before_overwrite(self, slot: int) -> None:
@@ -246,6 +288,7 @@ class SharedRows:
             self._rings = []
             self._rows = {}
             self._arrays = None
+            self._deferred = []
             self._cond.notify_all()
 
 
@@ -263,6 +306,14 @@ def lend_row(ring: Any, slot: int) -> np.ndarray | None:
     (a read-only (1, width) view), or None: copy it."""
     lender = _LENDER.get()
     return None if lender is None else lender.lend(ring, slot)
+
+
+def defer_row_checksum(view: np.ndarray, entry: list[Any]) -> bool:
+    """Leave a lent row's record checksum (`entry[4]`) to the writer of the snapshot
+    being taken under `SharedRows.lending` (`SharedRows.defer_checksum`); False: compute
+    it now."""
+    lender = _LENDER.get()
+    return False if lender is None else lender.defer_checksum(view, entry)
 
 
 def host_copy(t: torch.Tensor) -> np.ndarray:

@@ -256,6 +256,7 @@ class Checkpointer:
                 self._put(name, snap, writer.put_array)
             mine = {**writer.finish(), **snap.references}
             written = writer.bytes_written
+            self._lent.check_checksums()  # before the shard's entries are sent
         else:
             mine, written = {}, 0
         gathered = dist.all_gather_object((mine, shard))
@@ -316,6 +317,7 @@ class Checkpointer:
             txn.reference(name, self.store.put_shared(f"{token}/{name}", arr))
         if acc is not None and epsilon is not None:
             acc["epsilon"] = epsilon.result()
+        self._lent.check_checksums()  # the lent rows' entries have their writer's
         for name, rec in snap.records.items():
             txn.put_record(name, rec)
         # The previous commit's retention ends before this version is visible: it never
@@ -354,10 +356,12 @@ class Checkpointer:
         """Write array `name` of `snap` with `put`; a lent ring row is claimed first
         (the ring waits for it, or copies it out if it must overwrite it before)."""
         lent = self._lent.claim(name)
+        checksum = None
         try:
-            put(name, snap.arrays[name] if lent is None else lent)
+            checksum = put(name, snap.arrays[name] if lent is None else lent).checksum
         finally:
-            self._lent.written(name)
+            # a lent row's array is the row: its checksum is the record entry's
+            self._lent.written(name, checksum)
 
     def _retain(self, newest: int) -> None:
         """Retention after committing version `newest`. It deletes nothing above the

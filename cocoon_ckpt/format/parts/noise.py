@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from cocoon_ckpt.format.ring_rows import borrowable, encode_slots, load_ring
-from cocoon_ckpt.format.snapshot import BUFFERS, Encoded, lend_row
+from cocoon_ckpt.format.snapshot import BUFFERS, Encoded, defer_row_checksum, lend_row
 from cocoon_ckpt.format.stored import records_of
 from cocoon_ckpt.format.trainer_state import NoiseLayout
 from cocoon_ckpt.layout import ring_rows_name
@@ -58,6 +58,7 @@ def encode(
         references,
         take=BUFFERS.take,
         lend=lend_row if persistent else None,  # a BLT rewrites its rows each step
+        defer=defer_row_checksum,  # a lent row's checksum: its writer's
     )
     shard: ShardRecord = {"start": noise["start"], "stop": noise["stop"], "slots": slots}
     ring_slots = len(noise["slot_steps"])
