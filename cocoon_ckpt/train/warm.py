@@ -10,6 +10,9 @@ caller's set-up, the first step's clipped sum). Nothing they compute is kept or 
 no result of the job depends on whether or when the warm-up ran. The kernels take a
 lock around their parallel launch, so a warm-up beside the trainer's own call is safe.
 
+The same thread imports what torch.func's first vmap imports (sympy, through torch's
+symbolic shapes): 0.75-1.2 s of a job's first clipped sum here.
+
 `fault_in` does the same for the large buffers a step keeps from step to step (the
 flat gradient buffer, `train.noisy_grads`): on this VM the first write of a page the
 process never touched costs far more than the write (a 344 MB buffer took 5.9 s to
@@ -23,6 +26,7 @@ depends on which.
 from __future__ import annotations
 
 import ctypes
+import importlib
 import logging
 import mmap
 import sys
@@ -65,8 +69,16 @@ def warm_kernels(dtype: str, *, ziggurat: bool, threads: int) -> threading.Threa
     return t
 
 
+#: What torch.func's first vmap imports (sympy among it): 0.75-1.2 s here, paid by a
+#: job's first clipped sum (ghost's per-sample losses, or vmap's gradients) otherwise
+FIRST_VMAP_IMPORTS = "torch.fx.experimental.symbolic_shapes"
+
+
 def _warm(dt: np.dtype[np.floating], ziggurat: bool, threads: int) -> None:
     try:
+        # first: the clipped sum comes before the noise step (an import computes nothing
+        # of the job's; a training thread importing it meanwhile waits for this one)
+        importlib.import_module(FIRST_VMAP_IMPORTS)
         mix_history(np.ones(2, dtype=dt), np.zeros((2, 64), dtype=dt), compiled=True)
         # the step's elementwise passes (w_t = (z - h) / c_0, (sum + w) / B, in place and
         # not): compiled from COMPILED_MIN_ELEMENTS on; 0.25 s of a 25.8M job's first
@@ -87,6 +99,8 @@ def _warm(dt: np.dtype[np.floating], ziggurat: bool, threads: int) -> None:
 _POPULATE_WRITE = 23
 #: buffers below this are not worth a thread
 FAULT_IN_BYTES = 1 << 20
+#: pages faulted in by one call (a multiple of the page size)
+FAULT_IN_PIECE = 4 << 20
 
 
 def fault_in(buffers: Sequence[torch.Tensor]) -> threading.Thread | None:
@@ -123,8 +137,12 @@ def _populate(buffers: list[torch.Tensor]) -> None:
             # the advice takes whole pages: from the one holding the first byte (mapped,
             # and left as it is: no byte is written)
             lo = b.data_ptr() - b.data_ptr() % mmap.PAGESIZE
-            if madvise(lo, b.data_ptr() + b.nbytes - lo, _POPULATE_WRITE) != 0:
-                log.debug("faulting in a kept buffer failed: errno %d", ctypes.get_errno())
-                return
+            end = b.data_ptr() + b.nbytes
+            # in pieces: each call holds the process's memory map lock, which the
+            # training thread's own allocations (mmap, munmap) would wait on
+            for at in range(lo, end, FAULT_IN_PIECE):
+                if madvise(at, min(FAULT_IN_PIECE, end - at), _POPULATE_WRITE) != 0:
+                    log.debug("faulting in a kept buffer failed: errno %d", ctypes.get_errno())
+                    return
     except (OSError, AttributeError) as exc:  # no libc madvise: the first write faults
         log.debug("faulting in the kept buffers failed: %s", exc)

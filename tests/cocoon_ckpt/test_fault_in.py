@@ -5,6 +5,9 @@ with it and without it, for ghost and vmap clipping."""
 
 from __future__ import annotations
 
+import sys
+
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -106,3 +109,8 @@ def test_a_ghost_sum_into_a_dirty_buffer_is_the_sum_into_a_fresh_one() -> None:
     into = ghost.clipped_sum(batch, 0.5, 3, out=dirty).summed
     assert into is dirty
     assert torch.equal(fresh.view(torch.int32), into.view(torch.int32))
+
+
+def test_the_warm_up_imports_what_the_first_vmap_imports() -> None:
+    warm._warm(np.dtype(np.float64), False, 1)  # as its thread runs it
+    assert warm.FIRST_VMAP_IMPORTS in sys.modules
