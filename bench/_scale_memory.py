@@ -10,7 +10,7 @@ phase's peak is its own; tracemalloc counts the numpy buffers beside it (the rin
 GEMV's output, snapshot copies), torch's CPU tensors being invisible to it.
 
 Owners are the live objects' bytes at the step's end: model, gradients, optimizer state,
-ring, the last w_t the trainer keeps, snapshot buffers kept for reuse, the copies of the
+ring, the last w_t the trainer keeps (none when w_t is the ring's slot), snapshot buffers kept for reuse, the copies of the
 snapshot in flight and the ring rows lent to it (views of the ring, no memory); what
 the peak holds beyond them is the phase's transients plus the allocator's slack
 (glibc gives arrays this large their own mappings and unmaps them when freed, so a freed
@@ -116,6 +116,10 @@ def _owners(trainer: Any, ck: Any) -> dict[str, float]:
         if isinstance(v, torch.Tensor)
     )
     last = trainer.last_noise
+    # w_t computed in its ring slot is a view of the ring (owns nothing); in the
+    # trainer's kept buffer it is that buffer's bytes
+    if last is not None and last.data_ptr() != trainer._w.data_ptr():
+        last = None
     kept = sum(a.nbytes for free in BUFFERS._free.values() for a in free)
     snap = ck._writing if ck is not None else None
     arrays = list(snap.arrays.values()) if snap is not None else []
@@ -162,6 +166,8 @@ def child(spec: dict[str, Any]) -> None:
     records = {name: {"bench": True} for name in REQUIRED}
     ph = Phases()
     ph.wrap(trainer, "_clipped", "clipped sum")
+    # a step in the ring slot draws z part by part and runs no `history.gemv`/`write`
+    ph.wrap(trainer.noise, "step", "noise step")
     ph.wrap(trainer.noise.fresh_noise, "fresh", "fresh noise z")
     ph.wrap(trainer.noise.history, "gemv", "ring GEMV")
     ph.wrap(trainer.noise.history, "write", "ring write")

@@ -20,13 +20,15 @@ from cocoon_ckpt.dp.noise import (
     AFTER_FRESH,
     AFTER_GEMV,
     BEFORE_FRESH,
+    BLOCK,
     NoiseRng,
     bandmf_step,
+    bandmf_step_in_slot,
     dense_solve,
     keyed_shard,
 )
 from cocoon_ckpt.dp.noise_mechanism import replay_rows
-from cocoon_ckpt.dp.ring import HostRing, RingHistory, load_ring_into, shard_ring
+from cocoon_ckpt.dp.ring import HostRing, InPlaceRing, RingHistory, load_ring_into, shard_ring
 from cocoon_ckpt.errors import StoredStateError
 from state import hooks
 
@@ -61,6 +63,19 @@ class BandMFNoise:
     persistent_rows = True
     """A ring slot keeps w_t until step t + b - 1 writes it again."""
 
+    slot_min_width = 1 << 20
+    """The width from which a step with `out` is computed in its ring slot (`step`):
+    below it, the two kept (width,) buffers it saves hold at most 8 MiB of float32."""
+
+    slot_part_width = 1 << 25
+    """The most coordinates a step in the ring slot computes at once: the width is cut
+    in equal parts of whole noise blocks no wider, one after the other, and its
+    scratch is one part (109 MiB of float32 at 85.9M parameters, 3 parts). Each part
+    is a parallel launch of the GEMV and of the draw, and each launch waits for every
+    thread to wake: with b = 4 on 2 cores (bench/noise_slot.py), at 16.8M coordinates
+    (load 5) the step in the slot took 0.86x the kept buffers' step in one part, 1.08x
+    in 2 and 1.15x in 4; at 85M (load 3-5) 0.77x, 0.78x and 0.77x in 1, 2 and 3."""
+
     def __init__(
         self,
         mechanism: BandMF,
@@ -88,8 +103,10 @@ class BandMFNoise:
             "history is",
         )
         self.slot_steps: list[int | None] = [None] * self.history.slots
-        #: the GEMV's h_t, kept from step to step (made on the first step)
+        #: the GEMV's h_t, kept from step to step (made on the first step that needs it)
         self._h: np.ndarray | None = None
+        #: a part's h_t of a step in the ring's slot (`slot_part_width`), kept likewise
+        self._chunk_h: np.ndarray | None = None
 
     @property
     def width(self) -> int:
@@ -119,20 +136,51 @@ class BandMFNoise:
     def step(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """Produce w_t for the current t, push it into the ring, advance t.
 
+        With `out` given, from `slot_min_width` coordinates on, where the ring is one host
+        array (`InPlaceRing`: a `HostRing`, or tiers with every column on one host
+        tier) and w_t is the ring's row (b >= 2, s_t = 1), w_t is computed in its ring
+        slot itself (`bandmf_step_in_slot`, the same bits): the caller's `out` and the
+        kept h (328 MiB each at 85.9M parameters) are then never touched, and the
+        step's scratch is one part of the width (`slot_part_width`). A
+        snapshot's lent row of that slot is copied out or finished first (the ring's
+        write guards); the crash points fire before any byte of the slot changes.
+
         Args:
             out: a contiguous (width,) CPU tensor of `dtype` that w_t is written into
-                (the caller's, kept from step to step: no fresh pages a step); None: a
-                fresh tensor.
+                (the caller's, kept from step to step: no fresh pages a step), unless
+                w_t is computed in its ring slot; None: a fresh tensor.
 
         Returns:
-            w_t[start:stop], shape (width,): `out`, or a fresh tensor (never a view of
-            the ring).
+            w_t[start:stop], shape (width,): `out`; the ring's slot (a view: read it
+            before step t + b - 1, never write it) when computed there; or, with no
+            `out`, a fresh tensor (never a view of the ring).
         """
         t = self.t
         hooks.point(BEFORE_FRESH, step=t)
+        slots = self.mechanism.bands - 1
+        rows = self._open_slot(t) if out is not None else None
+        if rows is not None:
+            # the slot is w_t's buffer: nothing of it is changed before these points
+            hooks.point(AFTER_FRESH, step=t)
+            _after_gemv(t)
+            parts = -(-self.width // self.slot_part_width)
+            chunk = max(1, -(-self.width // (parts * BLOCK))) * BLOCK
+            if self._chunk_h is None or len(self._chunk_h) < min(chunk, self.width):
+                self._chunk_h = np.empty(min(chunk, self.width), dtype=rows.dtype)
+            w = bandmf_step_in_slot(
+                self.mechanism,
+                t,
+                self.fresh_noise,
+                self.start,
+                rows,
+                scratch=self._chunk_h,
+                chunk=chunk,
+            )
+            self.slot_steps[t % slots] = t
+            self.t = t + 1
+            return w
         z = self.fresh_noise.fresh(t, self.start, self.stop, out)
         hooks.point(AFTER_FRESH, step=t)
-        slots = self.mechanism.bands - 1
         if slots and self._h is None:
             self._h = np.empty(self.width, dtype=self.history.dtype)
         # Each tier computes its columns where they lie, in one order of rounding, into
@@ -150,6 +198,19 @@ class BandMFNoise:
             self.slot_steps[t % slots] = t
         self.t = t + 1
         return w
+
+    def _open_slot(self, t: int) -> np.ndarray | None:
+        """The ring as one writable host array with slot t mod (b-1)'s write guards run,
+        when step t is computed in that slot (`step`); else None, no guard run."""
+        slots = self.mechanism.bands - 1
+        if (
+            not slots
+            or self.width < self.slot_min_width
+            or self.mechanism.noise_scale(t) != 1.0
+            or not isinstance(self.history, InPlaceRing)
+        ):
+            return None
+        return self.history.open_slot(t % slots)
 
     def materialize(self, n: int) -> torch.Tensor:
         """Dense reference: all of w_0..w_{n-1} by a triangular solve of C W = Z,

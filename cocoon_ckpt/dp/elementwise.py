@@ -44,10 +44,10 @@ def _add_div_(a, b, d):  # type: ignore[no-untyped-def]
         a[j] = (a[j] + b[j]) / d
 
 
-def _compiled(*tensors: torch.Tensor) -> bool:
+def _compiled(*tensors: torch.Tensor, compiled: bool | None = None) -> bool:
     first = tensors[0]
     return (
-        first.numel() >= COMPILED_MIN_ELEMENTS
+        (first.numel() >= COMPILED_MIN_ELEMENTS if compiled is None else compiled)
         and first.dtype in (torch.float32, torch.float64)
         and all(
             t.device.type == "cpu"
@@ -60,16 +60,21 @@ def _compiled(*tensors: torch.Tensor) -> bool:
     )
 
 
-def sub_div_(z: torch.Tensor, h: np.ndarray, c0: float) -> torch.Tensor:
+def sub_div_(
+    z: torch.Tensor, h: np.ndarray, c0: float, *, compiled: bool | None = None
+) -> torch.Tensor:
     """z <- (z - h) / c0 in z's dtype, in place; returns z.
 
     Args:
-        z: (m,) float32 or float64 (the step's own buffer).
+        z: (m,) float32 or float64 (the step's own buffer, or a chunk of a ring slot).
         h: (m,) host array (the GEMV's result), z's dtype.
         c0: the divisor, cast to z's dtype first.
+        compiled: True: the compiled loop (where the dtypes and layout allow); False:
+            torch's two kernels; None: compiled from `COMPILED_MIN_ELEMENTS` elements on
+            (a step in a ring slot decides once for all its chunks). The same bits.
     """
     ht = torch.from_numpy(h)
-    if _compiled(z, ht):
+    if _compiled(z, ht, compiled=compiled):
         _sub_div(z.numpy(), h, z.numpy().dtype.type(c0))
         return z
     return torch.sub(z, ht, out=z).div_(c0)

@@ -26,6 +26,7 @@ import torch
 
 from cocoon_ckpt.dp.default_noise import BLOCK, block_entropy, keyed_gaussians
 from cocoon_ckpt.dp.elementwise import sub_div_
+from cocoon_ckpt.dp.gemv import COMPILED_MIN_ELEMENTS, mix_history
 from cocoon_ckpt.dp.generator import (
     GENERATOR_BACKEND,
     NoiseRng,
@@ -44,6 +45,7 @@ __all__ = [
     "KeyedNoise",
     "NoiseRng",
     "bandmf_step",
+    "bandmf_step_in_slot",
     "check_generator_backend",
     "dense_solve",
     "generator_backend",
@@ -268,3 +270,98 @@ def bandmf_step(
     # optimized_colnorm's last b-1 steps, so every other kind returns w unchanged
     scale = mechanism.noise_scale(t)
     return w if scale == 1.0 else w * scale
+
+
+def bandmf_step_in_slot(
+    mechanism: BandMF,
+    t: int,
+    fresh_noise: KeyedNoise,
+    start: int,
+    rows: np.ndarray,
+    *,
+    mix: np.ndarray | None = None,
+    scratch: np.ndarray | None = None,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """`bandmf_step` computed in ring slot t mod (b-1) itself, with no (width,) buffer
+    of its own: column chunk by column chunk, the GEMV of the chunk's columns into
+    `scratch` (it reads w_{t-b+1}, which the slot still holds there), then z_t of those
+    coordinates drawn into the slot's chunk, then w = (z - h) / c_0 in place there.
+
+    The same bits as `bandmf_step`, ring and w_t: the GEMV's order of rounding is per
+    column (`cocoon_ckpt.dp.gemv`: any column range gives the same values), a range of
+    keyed noise equals the same slice of the whole draw (I1), and the subtraction and
+    division are elementwise (`cocoon_ckpt.dp.elementwise.sub_div_`).
+
+    Args:
+        mechanism: the BandMF strategy, b >= 2, with s_t = 1 at this t (a
+            column-normalized C's tail returns s_t w_t, not the ring's row:
+            `bandmf_step` runs those steps).
+        t: the step, >= 0; the ring must hold w_{t-b+1}..w_{t-1}.
+        fresh_noise: the keyed noise z_t is drawn from.
+        start: the coordinate of the ring's first column in `fresh_noise`'s space.
+        rows: the (b-1, width) ring, a C-contiguous writable host array of
+            `fresh_noise`'s dtype whose write guards for slot t mod (b-1) have run
+            (`cocoon_ckpt.dp.ring.InPlaceRing.open_slot`); slot t mod (b-1) is written.
+        mix: `mechanism.mixing_vector(t)`, when the caller has it already.
+        scratch: a host array of the ring's dtype with at least min(chunk, width)
+            elements that each chunk's h is computed into (the caller's, kept from step
+            to step); None: a new one.
+        chunk: coordinates per chunk, the cuts at multiples of `chunk` in the key's
+            coordinates (with a multiple of the noise's BLOCK, no block is drawn twice);
+            None: the whole width at once. Each chunk is a parallel launch of each
+            kernel, which on a loaded machine costs a wake-up of every thread: few
+            large chunks (`BandMFNoise.slot_part_width`).
+
+    Returns:
+        w_t, (width,): slot t mod (b-1) of `rows` as a tensor (a view of the ring: read
+        it before step t + b - 1 writes the slot again, and never write it).
+
+    Raises:
+        ValueError: b = 1, s_t != 1, or `rows` is not such an array.
+    """
+    slots = mechanism.bands - 1
+    if not slots or mechanism.noise_scale(t) != 1.0:
+        raise ValueError(
+            f"bandmf_step_in_slot: step {t} of a {mechanism.bands}-band mechanism has no "
+            "ring slot that is its w_t (b = 1, or s_t != 1): run bandmf_step"
+        )
+    dt = fresh_noise.np_dtype
+    if (
+        rows.ndim != 2
+        or rows.shape[0] != slots
+        or rows.dtype != dt
+        or not (rows.flags.c_contiguous and rows.flags.writeable)
+    ):
+        raise ValueError(
+            f"bandmf_step_in_slot: rows is {rows.dtype}{rows.shape}; the step needs a "
+            f"writable C-contiguous ({slots}, width) {dt} ring"
+        )
+    width = rows.shape[1]
+    if chunk is None:
+        chunk = max(width, 1)
+    elif chunk < 1:
+        raise ValueError(f"bandmf_step_in_slot: chunk={chunk} must be >= 1")
+    c0 = float(mechanism.coefficients[0])
+    # cast once: the GEMV casts the mixing vector to the ring's dtype anyway
+    m = np.asarray(mechanism.mixing_vector(t) if mix is None else mix, dtype=dt)
+    if scratch is None:
+        scratch = np.empty(min(chunk, width), dtype=dt)
+    elif scratch.dtype != dt or scratch.ndim != 1 or len(scratch) < min(chunk, width):
+        raise ValueError(
+            f"bandmf_step_in_slot: scratch is {scratch.dtype}{scratch.shape}; the step "
+            f"needs at least {min(chunk, width)} {dt} elements"
+        )
+    # which kernels run is decided once for the whole ring (the same bits either way)
+    compiled = rows.size >= COMPILED_MIN_ELEMENTS
+    w = torch.from_numpy(rows[t % slots])
+    lo, stop = start, start + width
+    while lo < stop:
+        hi = min(stop, (lo // chunk + 1) * chunk)
+        a, b = lo - start, hi - start
+        h = scratch[: b - a]
+        mix_history(m, rows[:, a:b], h, compiled=compiled)
+        z = fresh_noise.fresh(t, lo, hi, out=w[a:b])
+        sub_div_(z, h, c0, compiled=compiled)
+        lo = hi
+    return w

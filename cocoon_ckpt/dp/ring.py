@@ -15,7 +15,7 @@ import numpy as np
 
 from cocoon_ckpt.dp.gemv import mix_history
 
-__all__ = ["HostRing", "RingHistory", "load_ring_into", "shard_ring"]
+__all__ = ["HostRing", "InPlaceRing", "RingHistory", "load_ring_into", "shard_ring"]
 
 
 @runtime_checkable
@@ -72,6 +72,20 @@ class RingHistory(Protocol):
 
     def close(self) -> None:
         """Free what the history holds. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class InPlaceRing(Protocol):
+    """A ring held as one host array that a step may write a slot of in place
+    (`HostRing`; `tiers.TieredHistory` with every column on one host tier): the BandMF
+    step then computes w_t in the slot itself, with no (width,) buffer of its own."""
+
+    def open_slot(self, slot: int) -> np.ndarray | None:
+        """The whole ring, a writable (slots, width) host array, once every write guard
+        has run for `slot` (a snapshot's lent row of it copied out or finished): the
+        caller then writes slot `slot` in place, and no other slot. None when the ring
+        is not one host array now (write through `write`); then no guard has run."""
         ...
 
 
@@ -134,6 +148,10 @@ class HostRing:
         if w.shape != (self.width,):
             raise ValueError(f"ring slot values {w.shape}, the ring is ({self.width},) wide")
         self._array()[self._slot(slot)] = w
+
+    def open_slot(self, slot: int) -> np.ndarray | None:
+        self._slot(slot)
+        return self._array()
 
     def read(self, slot: int, out: np.ndarray | None = None) -> np.ndarray:
         row = self._array()[self._slot(slot)]

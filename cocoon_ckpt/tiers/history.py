@@ -121,6 +121,21 @@ class TieredHistory:
         view.flags.writeable = False
         return view
 
+    def open_slot(self, slot: int) -> np.ndarray | None:
+        """The host tier's whole ring, writable (slots, width), once every write guard
+        has run for `slot`, when that one tier holds every column (the BandMF step then
+        writes w_t straight into the slot: `dp.ring.InPlaceRing`); None otherwise, no
+        guard run."""
+        live = [(t, lo, hi) for t, lo, hi in self.ranges if hi > lo]
+        if len(live) != 1 or not isinstance(live[0][0], HostTier):
+            return None
+        if not 0 <= slot < self.slots:
+            raise IndexError(f"ring slot {slot} is outside [0, {self.slots})")
+        for guard in self._guards:
+            guard(slot)
+        ring: np.ndarray = live[0][0].ring
+        return ring
+
     def add_write_guard(self, guard: Callable[[int], None]) -> None:
         """Call `guard(slot)` before every write to a slot (a snapshot's lent rows are
         copied out or finished first: `format.snapshot.SharedRows`)."""
