@@ -137,6 +137,13 @@ def main() -> None:
     p.add_argument("--every", type=int, default=4, help="steps between checkpoints (k)")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
+    p.add_argument("--first-only", action="store_true", help="the first step, no checkpoints")
+    p.add_argument(
+        "--join-warm-up",
+        action="store_true",
+        help="wait for the warm-up threads before the first step (a job's start-up between "
+        "the trainer's build and step 0: the store, the lease, the first version)",
+    )
     p.add_argument("--gpt", action="store_true", help="the first step of bench/scale.py's GPT")
     p.add_argument("--depth", type=int, default=8)
     p.add_argument("--d", type=int, default=512)
@@ -151,6 +158,19 @@ def main() -> None:
         from cocoon_ckpt.train import noisy_grads
 
         noisy_grads.fault_in = lambda buffers: None  # type: ignore[assignment]
+    if args.join_warm_up:
+        from cocoon_ckpt.train import trainer as trainer_module
+
+        global WARM_UP
+        WARM_UP = threads = []
+        start = trainer_module.warm_kernels
+
+        def kept(*a: Any, **kw: Any) -> Any:
+            t = start(*a, **kw)
+            threads.extend([t] if t is not None else [])
+            return t
+
+        trainer_module.warm_kernels = kept  # type: ignore[assignment]
     if args.gpt:
         first_step_gpt(args)
         return
@@ -161,8 +181,17 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
+#: the warm-up threads a trainer started, waited for before its first step (None: not)
+WARM_UP: list[Any] | None = None
+
+
 def first_and_steady(trainer: Any, built: float, steps: int) -> None:
-    """Time the first step of `trainer` and `steps` steady ones, by phase, and print them."""
+    """Time the first step of `trainer` and `steps` steady ones, by phase, and print them
+    (after the warm-up threads, waited for and timed, with `--join-warm-up`)."""
+    if WARM_UP is not None:
+        for t in [*WARM_UP, trainer._noisy.faulting]:
+            waited = timed(t.join) if t is not None else 0.0
+            print(f"waited {waited * 1e3:.0f} ms for {t.name if t is not None else '-'}")
     clock = PhaseClock(trainer)
     first, first_phases = clock.step(trainer)
     runs = [clock.step(trainer) for _ in range(steps)]
@@ -236,6 +265,9 @@ def run(args: argparse.Namespace, root: str) -> None:
     trainer = build_trainer(cfg, bytes(32))
     built = time.perf_counter() - built
     first_and_steady(trainer, built, args.bands + 1)
+    if args.first_only:
+        trainer.close()
+        return
     records: dict[str, object] = dict(job_records(cfg, trainer, bytes(32), None))
     records.setdefault("metrics", TrainingMetrics().to_record(0))
     stores = {}
