@@ -3,7 +3,7 @@ incremental against full checkpoint bytes, and step time with an async checkpoin
 flight against a step without one, side by side in one run.
 
     python bench/checkpoint.py [--dim 1048576] [--bands 32] [--every 4] [--rounds 5] [--dir DIR]
-        [--clipping ghost] [--batch-size 16]
+        [--clipping ghost] [--batch-size 16] [--restore-only]
 
 At GB scale (#31 item 6): `--dim 42000000 --bands 8 --every 4 --rounds 3 --clipping
 ghost --batch-size 4` (a 1.35 GB full checkpoint; ghost clipping keeps the step's own
@@ -13,15 +13,23 @@ restored copy.
 
 Both sides fsync (a checkpoint that is not durable is not a checkpoint). Ours and the
 baseline alternate round by round and the medians are compared, because this disk's
-write speed drifts by 2-3x within a minute. Restore is measured hot (page cache) and,
-where /proc/sys/vm/drop_caches is writable, cold; ours verifies every chunk's crc32c
-and every array's checksum, np.load verifies nothing, so "np.load + crc32c" is printed
-as the equally safe baseline too.
+write speed drifts by 2-3x within a minute. A restore reads every array into memory
+(ours as a resume does: `latest()` verifying every array, then each array in hand), in
+three settings: right after the writes (each store and folder read once, as its
+writer left it: the paced writer drops what it wrote from the page cache, np.save does
+not), hot (after a warm-up read of both) and, where /proc/sys/vm/drop_caches is
+writable, cold. The share of each side's files in the page cache is printed before
+every timed read, and the CPU time beside every rate. Ours verifies every chunk's
+crc32c and every array's checksum, np.load verifies nothing, so "np.load + crc32c" is
+printed as the equally safe baseline too. `--restore-only` skips the incremental and
+in-flight part.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import mmap
 import os
 import resource
 import shutil
@@ -34,10 +42,12 @@ import crc32c
 import numpy as np
 
 from cocoon_ckpt import DPConfig, JobConfig
+from cocoon_ckpt.format.snapshot import Snapshot
 from cocoon_ckpt.train.checkpoint import Checkpointer, take_snapshot
 from cocoon_ckpt.train.job_records import REQUIRED, job_records
 from cocoon_ckpt.train.runner import build_trainer
 from state import Store, local_backend
+from state import version as state_version
 from state.paths import version_prefix
 
 PACED = local_backend.PACE_BYTES
@@ -67,6 +77,49 @@ def np_load_all(folder: str, verify: bool) -> list[np.ndarray]:
     return out
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+_libc.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+
+
+def resident(folder: str) -> float:
+    """The fraction of the bytes of the files under `folder` in the page cache (mincore
+    over a read-only mapping of each, which faults nothing in).
+
+    Printed before every timed read, because on this VM "hot" is not a given: other
+    jobs' writes and `drop_caches` evict files between a warm-up and the timed read.
+    What the page cache does not explain is fresh memory: the VM reports free 2 MiB
+    blocks to its host (virtio-balloon free page reporting, order 9), so an array's
+    memory, once freed and reported, faults in from the host again at 0.03-1.4 GB/s;
+    the CPU time printed beside each rate shows it (page faults count as system time).
+    """
+    res = total = 0
+    page = mmap.PAGESIZE
+    for dirpath, _dirs, files in os.walk(folder):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                if size == 0:
+                    continue
+                addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+                if addr in (None, ctypes.c_void_p(-1).value):
+                    continue
+                try:
+                    vec = ctypes.create_string_buffer((size + page - 1) // page)
+                    if _libc.mincore(addr, size, vec) == 0:
+                        res += int((np.frombuffer(vec.raw, np.uint8) & 1).sum()) * page
+                        total += size
+                finally:
+                    _libc.munmap(addr, size)
+            finally:
+                os.close(fd)
+    return min(1.0, res / total) if total else 1.0
+
+
 def drop_caches() -> bool:
     try:
         os.sync()
@@ -77,9 +130,7 @@ def drop_caches() -> bool:
         return False
 
 
-def timed(fn: Callable[[], object], before: Callable[[], object] | None = None) -> float:
-    if before is not None:
-        before()
+def timed(fn: Callable[[], object]) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
@@ -94,6 +145,9 @@ def main() -> None:
     p.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
     p.add_argument("--clipping", default="vmap", help="DPConfig.clipping (vmap, ghost)")
     p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument(
+        "--restore-only", action="store_true", help="skip the incremental and in-flight part"
+    )
     args = p.parse_args()
     root = tempfile.mkdtemp(dir=args.dir)
     try:
@@ -117,7 +171,8 @@ def run(args: argparse.Namespace, root: str) -> None:
         options={"hidden": max(1, args.dim // 25)},
     )
     full_and_restore(args, root, cfg)
-    incremental(args, root, cfg)
+    if not args.restore_only:
+        incremental(args, root, cfg)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"peak RSS {peak:.2f} GiB; load average at end: {os.getloadavg()[0]:.1f}")
 
@@ -139,7 +194,7 @@ def full_and_restore(args: argparse.Namespace, root: str, cfg: JobConfig) -> Non
     # A job creates its store and takes its lease once, not at every checkpoint: the
     # checkpoint is timed from begin to commit, and the ratio with the store's creation
     # counted in (what this bench printed before 2026-12-04) is printed beside it.
-    def ours_save(i: int) -> float:
+    def ours_save(i: int, snap: Snapshot) -> float:
         t = time.perf_counter()
         store = Store.open(os.path.join(root, f"s{i}.zarr"))
         store.acquire_lease()
@@ -153,17 +208,20 @@ def full_and_restore(args: argparse.Namespace, root: str, cfg: JobConfig) -> Non
     # The paced writer (local_backend.PACE_BYTES, the default) and the same writer
     # writing each file in one go (PACE_BYTES = 0, what it did before 2026-12-05) take
     # turns with np.save in every round.
-    t_ours, t_open, t_np = [], [], []
+    t_ours: list[float] = []
+    t_open: list[float] = []
+    t_np: list[float] = []
     t_go: list[float] = []
     for i in range(args.rounds):
         for pace, into in ((PACED, t_ours), (0, t_go)):
             local_backend.PACE_BYTES = pace
             t = time.perf_counter()
-            opened = ours_save(2 * i + (pace == 0))
+            opened = ours_save(2 * i + (pace == 0), snap)
             into.append(time.perf_counter() - t - opened)
             if pace:
                 t_open.append(opened)
-        t_np.append(timed(lambda i=i: np_save_all(os.path.join(root, f"n{i}"), snap.arrays)))  # type: ignore[misc]
+        folder = os.path.join(root, f"n{i}")
+        t_np.append(timed(lambda f=folder, a=snap.arrays: np_save_all(f, a)))  # type: ignore[misc]
     local_backend.PACE_BYTES = PACED
     mo, mn, mg = statistics.median(t_ours), statistics.median(t_np), statistics.median(t_go)
     with_open = statistics.median(o + c for o, c in zip(t_open, t_ours, strict=True))
@@ -175,27 +233,94 @@ def full_and_restore(args: argparse.Namespace, root: str, cfg: JobConfig) -> Non
     )
 
     # restore ---------------------------------------------------------------------
-    def ours_load() -> None:
-        Store.open(os.path.join(root, "s0.zarr"), create=False).latest()  # verifies all
+    # Ours is read as a resume reads it (`train.start`): every array verified and in
+    # hand, as np.load's are. Each timed read is preceded by the share of its files in
+    # the page cache (`resident`): the paced writer drops what it wrote from the page
+    # cache, np.save leaves it there, so a read right after the writes compares a
+    # partly cold read with a hot one. Hot compares both after a warm-up read that
+    # leaves both in the cache, cold both after the caches are dropped.
+    # A version past `state.version.KEEP_BYTES` (1 GiB) has its last arrays verified by
+    # a streamed pass and read again when asked for; "every array kept" lifts the bound
+    # to show what that second read costs.
+    del snap  # only its size is needed from here: 1.28 GB less at 42M
+    keep = state_version.KEEP_BYTES
 
-    base = os.path.join(root, "n0")
-    for label, before in (("hot", None), ("cold", drop_caches)):
-        if before is not None and not drop_caches():
+    def ours_load(path: str, kept: bool) -> list[np.ndarray]:
+        state_version.KEEP_BYTES = max(keep, 2 * nbytes) if kept else keep
+        try:
+            version = Store.open(path, create=False).latest(stream=lambda _name: False)
+            if version is None:
+                raise SystemExit(f"{path}: no version")
+            return [version.array(n) for n in version.array_names()]
+        finally:
+            state_version.KEEP_BYTES = keep
+
+    Runs = dict[str, tuple[list[float], list[float], list[float]]]
+
+    def report(label: str, runs: Runs) -> None:
+        for side, (res, secs, cpu) in runs.items():
+            print(
+                f"restore {label}, {side}: in the page cache before each read "
+                + ", ".join(f"{r:.2f}" for r in res)
+                + "; GB/s "
+                + ", ".join(f"{nbytes / x / 1e9:.2f}" for x in secs)
+                + "; CPU s "
+                + ", ".join(f"{x:.2f}" for x in cpu)
+            )
+        wall = {side: statistics.median(secs) for side, (_r, secs, _c) in runs.items()}
+        used = {side: statistics.median(c) for side, (_r, _s, c) in runs.items()}
+        ours = "ours (paced)"
+        print(
+            f"restore {label}: ours {nbytes / wall[ours] / 1e6:.0f} MB/s (verified); ours ÷ "
+            + "; ".join(
+                f"{side} {wall[side] / wall[ours]:.2f} (CPU {used[side] / used[ours]:.2f})"
+                for side in runs
+                if side != ours
+            )
+        )
+
+    def sample(runs: Runs, side: str, path: str) -> None:
+        res, secs, cpu = runs.setdefault(side, ([], [], []))
+        res.append(resident(path))
+        if side.startswith("ours"):
+            fn: Callable[[], object] = lambda: ours_load(path, "kept" in side)  # noqa: E731
+        else:
+            fn = lambda: np_load_all(path, side.endswith("crc32c"))  # noqa: E731
+        used = time.process_time()
+        secs.append(timed(fn))
+        cpu.append(time.process_time() - used)
+
+    after: Runs = {side: ([], [], []) for side in ("ours (paced)", "ours (written in one go)")}
+    after["np.load"] = ([], [], [])
+    for i in range(args.rounds):  # each store and folder read once, as its writer left it
+        written = [f"s{2 * i}.zarr", f"s{2 * i + 1}.zarr", f"n{i}"]
+        turns = list(zip(after, written, strict=True))
+        for side, name in turns[i % 3 :] + turns[: i % 3]:  # taking turns at going first
+            sample(after, side, os.path.join(root, name))
+    report("right after the writes", after)
+    paths = {
+        "ours (paced)": os.path.join(root, "s0.zarr"),
+        "ours, every array kept": os.path.join(root, "s0.zarr"),
+        "np.load": os.path.join(root, "n0"),
+        "np.load + crc32c": os.path.join(root, "n0"),
+    }
+    for label, cold in (("hot", False), ("cold", True)):
+        if cold and not drop_caches():
             print("restore cold: /proc/sys/vm/drop_caches not writable, skipped")
             continue
-        ours_load()  # warm both for the hot case
-        np_load_all(base, False)
-        lo, ln, lv = [], [], []
-        for _ in range(args.rounds):
-            lo.append(timed(ours_load, before))
-            ln.append(timed(lambda: np_load_all(base, False), before))
-            lv.append(timed(lambda: np_load_all(base, True), before))
-        a, b, c = (statistics.median(x) for x in (lo, ln, lv))
-        print(
-            f"restore {label}: ours {nbytes / a / 1e6:.0f} MB/s (verified), np.load "
-            f"{nbytes / b / 1e6:.0f} MB/s, ratio {b / a:.2f}; np.load+crc32c "
-            f"{nbytes / c / 1e6:.0f} MB/s, ratio {c / a:.2f}"
-        )
+        if not cold:  # a warm-up read of both
+            ours_load(paths["ours (paced)"], False)
+            np_load_all(paths["np.load"], False)
+        runs: Runs = {side: ([], [], []) for side in paths}
+        order = list(paths.items())
+        for r in range(args.rounds):
+            # the sides take turns at going first: a side reading right after another
+            # freed its arrays finds warmer memory (see resident's note)
+            for side, path in order[r % len(order) :] + order[: r % len(order)]:
+                if cold:
+                    drop_caches()
+                sample(runs, side, path)
+        report(label, runs)
 
 
 def incremental(args: argparse.Namespace, root: str, cfg: JobConfig) -> None:
