@@ -218,7 +218,11 @@ def child(spec: dict[str, Any]) -> None:
             peak_all = max(peak_all, ck_peak)
             steps.append(row)
         ck.wait()
-        # what malloc holds freed (not returned to the system): the RSS malloc_trim frees
+        # what malloc holds freed (not returned to the system): the RSS malloc_trim frees.
+        # It is the steps' working set, not added to it: a malloc_trim(0) after each
+        # commit on the writer's thread (28-39 ms a call) left no slack at the end and
+        # the same peak (ghost at 85.9M: 3,409-3,465 MiB against 3,407-3,464 without,
+        # 2 runs each), the next steps faulting those pages in again; so none is done
         before = _status_kib("VmRSS") / 1024
         ctypes.CDLL("libc.so.6").malloc_trim(0)
         slack = before - _status_kib("VmRSS") / 1024
