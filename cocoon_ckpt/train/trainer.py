@@ -52,7 +52,7 @@ from cocoon_ckpt.train.model_checks import check_scheduler, checked_model
 from cocoon_ckpt.train.noisy_grads import NoisyGradients
 from cocoon_ckpt.train.step_result import StepResult
 from cocoon_ckpt.train.table_noise import table_noise
-from cocoon_ckpt.train.warm import warm_kernels
+from cocoon_ckpt.train.warm import fault_in, warm_kernels
 from cocoon_ckpt.train.workers import DEFAULT_WORKER_TIMEOUT_S
 from state import hooks
 
@@ -204,6 +204,11 @@ class DPTrainer:
         # the gradient buffer a step keeps, made now and its pages faulted in off the
         # training thread (`NoisyGradients.reserve`): the first step's first touch
         self._noisy.reserve(self.grads.dtype, self.device)
+        # and the noise step's scratch, where a step computes w_t in its ring slot
+        reserve_scratch = getattr(self.noise, "reserve_scratch", None)
+        scratch = reserve_scratch() if reserve_scratch is not None else None
+        if scratch is not None:
+            fault_in([scratch])
         self.sampler = CyclicPoissonSampler(
             dataset_size=config.dataset_size,
             batch_size=config.batch_size,

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from cocoon_ckpt import DPConfig
+from cocoon_ckpt.dp.bandmf_noise import BandMFNoise
+from cocoon_ckpt.dp.noise import BLOCK
 from cocoon_ckpt.train import noisy_grads, warm
 from cocoon_ckpt.train.ghost import GhostGrads
 from cocoon_ckpt.train.trainer import DPTrainer
@@ -114,3 +116,32 @@ def test_a_ghost_sum_into_a_dirty_buffer_is_the_sum_into_a_fresh_one() -> None:
 def test_the_warm_up_imports_what_the_first_vmap_imports() -> None:
     warm._warm(np.dtype(np.float64), False, 1)  # as its thread runs it
     assert warm.FIRST_VMAP_IMPORTS in sys.modules
+
+
+def test_the_noise_steps_scratch_is_made_at_build_and_is_the_one_the_steps_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a step computes w_t in its ring slot from this width on, in parts of whole blocks
+    monkeypatch.setattr(BandMFNoise, "slot_min_width", 1)
+    monkeypatch.setattr(BandMFNoise, "slot_part_width", 3 * BLOCK)
+
+    def run(reserve: bool) -> tuple[list[torch.Tensor], bool]:
+        tr = _trainer("ghost")
+        try:
+            noise = tr.noise
+            assert isinstance(noise, BandMFNoise)
+            scratch = noise._chunk_h
+            assert (scratch is not None) is reserve
+            for _ in range(4):
+                tr.train_step()
+            same = noise._chunk_h is scratch
+            return [p.detach().clone() for p in tr.model.parameters()], same
+        finally:
+            tr.close()
+
+    with_it, same = run(True)
+    assert same  # no step made another
+    monkeypatch.setattr(BandMFNoise, "reserve_scratch", lambda self: None)
+    without, _ = run(False)
+    for a, b in zip(with_it, without, strict=True):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
