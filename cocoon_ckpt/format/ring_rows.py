@@ -227,7 +227,9 @@ def load_ring(noise: dict[str, Any], shards: list[ShardRecord], version: Version
     The slots are written one by one into the live ring `noise["ring"]` itself (a
     `RingHistory`), which the returned state names: a ring larger than host memory,
     whose far part is a file on disk, is restored through one (width,) row, never
-    gathered whole. Every slot is written, zeros where the version stores none."""
+    gathered whole. Every slot is written, zeros where the version stores none, but
+    for a slot that holds zeros already (`TieredHistory.holds_zeros`: never written
+    since its tiers were allocated, as on a resume's new far file)."""
     start, stop = noise["start"], noise["stop"]
     like = noise["ring"]
     into = like if isinstance(like, RingHistory) else HostRing(like.slots, like.width, like.dtype)
@@ -237,15 +239,19 @@ def load_ring(noise: dict[str, Any], shards: list[ShardRecord], version: Version
         for ref in slot_refs(shard["slots"]):
             slot_steps[ref.slot] = ref.step
             stored[ref.slot].append((shard, ref))
+    holds_zeros = getattr(into, "holds_zeros", None)  # `tiers.TieredHistory`
     row = np.empty(like.width, dtype=like.dtype)
     for slot, parts in enumerate(stored):
         row[...] = 0
+        filled = False
         for shard, ref in parts:
             lo, hi = max(shard["start"], start), min(shard["stop"], stop)
             if hi > lo:
                 values = slot_values(version, ref)
                 row[lo - start : hi - start] = values[lo - shard["start"] : hi - shard["start"]]
-        into.write(slot, row)
+                filled = True
+        if filled or holds_zeros is None or not holds_zeros(slot):
+            into.write(slot, row)  # zeros too, unless the slot holds them already
     return {**noise, "slot_steps": slot_steps, "ring": into}
 
 

@@ -56,6 +56,8 @@ class TieredHistory:
     ) -> None:
         self.slots, self.width, self.dtype = slots, width, np.dtype(dtype)
         self._guards: list[Callable[[int], None]] = []
+        #: slots written since the tiers were allocated (each tier starts as zeros)
+        self._written: set[int] = set()
         self.mode = GemvMode(mode)
         self.unit = unit
         self.plan = plan
@@ -133,8 +135,17 @@ class TieredHistory:
             raise IndexError(f"ring slot {slot} is outside [0, {self.slots})")
         for guard in self._guards:
             guard(slot)
+        self._written.add(slot)
         ring: np.ndarray = live[0][0].ring
         return ring
+
+    def holds_zeros(self, slot: int) -> bool:
+        """Whether ring slot `slot` was never written since its tiers were allocated,
+        so it holds zeros (every tier starts so): a restore then need not write its
+        zeros again. At 354M parameters, b = 16, a resume onto a new far file wrote
+        17.2 GB of zeros for the 12 slots no version stored at step 4 (the uninterrupted
+        run's file held 4.6 GB); a new far file's holes read as zeros unwritten."""
+        return slot not in self._written
 
     def add_write_guard(self, guard: Callable[[int], None]) -> None:
         """Call `guard(slot)` before every write to a slot (a snapshot's lent rows are
@@ -149,6 +160,7 @@ class TieredHistory:
         """Store w (width,) as ring slot `slot`, each tier its columns."""
         for guard in self._guards:
             guard(slot)
+        self._written.add(slot)
         for t, lo, hi in self.ranges:
             if hi > lo:
                 t.write_slot(slot, w[lo:hi])
