@@ -31,7 +31,7 @@ from cocoon_ckpt.dp.gemv import mix_history
 from cocoon_ckpt.dp.ring import HostRing
 from cocoon_ckpt.format.ring_rows import encode_slots, load_ring
 from cocoon_ckpt.layout import ring_rows_name
-from cocoon_ckpt.tiers import FarTier, TierConfig, TieredHistory, build_history
+from cocoon_ckpt.tiers import FarTier, TierConfig, TieredHistory, build_history, far_io
 from cocoon_ckpt.tiers.far_io import private_file, stream_gemv, write_at
 from state import Store
 from state import version as state_version
@@ -311,3 +311,68 @@ def test_a_restore_writes_no_zeros_onto_a_new_far_file_and_clears_a_used_one(
                 assert _allocated(far_dir) <= 2 * width * 4 + (1 << 20), _allocated(far_dir)
         finally:
             history.close()
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    slots=st.integers(1, 6),
+    width=st.integers(1, 5000),
+    written=st.sets(st.integers(0, 5)),
+    chunk=st.integers(64, 1 << 16),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_a_sparse_shards_holes_read_as_the_zeros_a_read_gives(
+    tmp_path_factory: pytest.TempPathFactory,
+    slots: int,
+    width: int,
+    written: set[int],
+    chunk: int,
+    seed: int,
+) -> None:
+    """Slots never written are holes of the far file; `read_at` fills a range that is all
+    hole with zeros instead of reading it (no page-cache page faulted in), and the GEMV
+    over the file is the kernel over the same ring with those rows zero, bit for bit."""
+    rng = np.random.default_rng(seed)
+    ring = np.zeros((slots, width), dtype=np.float32)
+    path = tmp_path_factory.mktemp("sparse") / "shard"
+    fd = private_file(str(path), ring.nbytes)
+    try:
+        for s in sorted(w for w in written if w < slots):
+            ring[s] = rng.standard_normal(width).astype(np.float32)
+            write_at(fd, ring[s], s * width * 4)
+        mix = rng.standard_normal(slots)
+        out = np.full(width, np.nan, dtype=np.float32)
+        stream_gemv(fd, mix, slots, width, out, chunk_bytes=chunk)
+        assert np.array_equal(out.view(np.int32), mix_history(mix, ring).view(np.int32))
+        for s in range(slots):
+            row = np.full(width, np.nan, dtype=np.float32)
+            far_io.read_at(fd, row, s * width * 4)
+            assert np.array_equal(row.view(np.int32), ring[s].view(np.int32))
+    finally:
+        os.close(fd)
+
+
+def test_a_hole_is_not_read_and_a_truncated_file_still_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nbytes = 64 << 20  # 16 MiB of data in the middle of 64 MiB of file
+    fd = private_file(str(tmp_path / "shard"), nbytes)
+    try:
+        write_at(fd, np.ones(4 << 20, dtype=np.float32), 24 << 20)
+        reads: list[int] = []
+        real = os.preadv
+        monkeypatch.setattr(
+            far_io.os, "preadv", lambda f, bufs, off: reads.append(off) or real(f, bufs, off)
+        )
+        hole = np.full(1 << 20, np.nan, dtype=np.float32)
+        far_io.read_at(fd, hole, 0)  # the first 4 MiB: a hole
+        far_io.read_at(fd, hole, 60 << 20)  # the last 4 MiB: a hole up to the end
+        assert reads == [] and not hole.any()
+        data = np.zeros(1 << 20, dtype=np.float32)
+        far_io.read_at(fd, data, 24 << 20)
+        assert reads and (data == 1).all()
+        past = np.empty(1 << 20, dtype=np.float32)
+        with pytest.raises(OSError, match="ended"):
+            far_io.read_at(fd, past, nbytes - 1024)  # runs past the end: refused
+    finally:
+        os.close(fd)
