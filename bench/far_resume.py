@@ -384,13 +384,7 @@ def main() -> None:
         child(json.loads(sys.argv[2]), sys.argv[3], sys.argv[4])
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--d", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--85m", dest="gpt2", action="store_true", help="12 blocks, d 768, 12 heads")
-    p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--classes", type=int, default=16)
+    scale.add_model_args(p)
     p.add_argument("--batch", type=int, default=8, help="expected batch (Poisson)")
     p.add_argument("--physical", type=int, default=4, help="examples per chunk")
     p.add_argument("--bands", type=int, default=32)
@@ -403,8 +397,7 @@ def main() -> None:
     p.add_argument("--phase", choices=[*PHASES, "all"], default="all")
     p.add_argument("--keep", action="store_true", help="keep the stores after compare")
     args = p.parse_args()
-    if args.gpt2:
-        args.depth, args.d, args.heads = 12, 768, 12
+    scale.model_shape(args)
     if not 0 < args.every < args.steps:
         p.error(f"--every {args.every}: give 0 < k < --steps {args.steps}, a step to kill in")
     work = Path(args.work)

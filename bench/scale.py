@@ -621,9 +621,9 @@ def _params(spec: dict[str, Any]) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--child", help=argparse.SUPPRESS)
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The transformer's shape options (bench/far_resume.py takes them too); `--85m`
+    is applied by `model_shape`."""
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--d", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
@@ -631,6 +631,18 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--classes", type=int, default=16)
+
+
+def model_shape(args: argparse.Namespace) -> None:
+    """`--85m`: GPT-2 small's 12 blocks, d 768, 12 heads."""
+    if args.gpt2:
+        args.depth, args.d, args.heads = 12, 768, 12
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    add_model_args(p)
     p.add_argument("--batch", type=int, default=8, help="logical batch (every step)")
     p.add_argument("--physical", type=int, default=4, help="examples per chunk")
     p.add_argument("--bands", type=int, default=4)
@@ -698,8 +710,7 @@ def main() -> None:
     if args.child:
         child(json.loads(args.child))
         return
-    if args.gpt2:
-        args.depth, args.d, args.heads = 12, 768, 12
+    model_shape(args)
     spec = {
         k: getattr(args, k)
         for k in (
