@@ -188,10 +188,14 @@ class WorkerWatch:
         return named
 
     def _dead(self) -> DataWorkerError | None:
-        for wid, w in enumerate(self._workers):
+        # The worker to name: one killed by a signal, else one that failed, else one
+        # that exited 0. Once one dies, torch's loader may shut the others down, and a
+        # sibling then exits 0 before this looks: naming the first by index named that
+        # sibling (seen once under load, in test_preempt_group's SIGKILL test).
+        exited = [(wid, w) for wid, w in enumerate(self._workers) if w.exitcode is not None]
+        exited.sort(key=lambda item: 0 if item[1].exitcode < 0 else 1 if item[1].exitcode else 2)
+        for wid, w in exited[:1]:
             code = w.exitcode
-            if code is None:
-                continue
             how = (
                 f"was killed by {signal.Signals(-code).name}"
                 if code < 0 and -code in signal.valid_signals()
