@@ -151,12 +151,7 @@ def read_verified(store: Store, version: int, name: str, meta: ArrayMeta) -> np.
             version=version,
             path=meta.path,
         )
-    if got != meta.checksum:
-        raise CorruptVersionError(
-            f"{where} checksum mismatch ({got} != {meta.checksum})",
-            version=version,
-            path=meta.path,
-        )
+    _check_checksum(where, got, meta, version)
     return arr
 
 
@@ -189,13 +184,19 @@ def verify_streamed(store: Store, version: int, name: str, meta: ArrayMeta) -> b
         ) from exc
     if got is None:
         return False
+    _check_checksum(where, got, meta, version)
+    return True
+
+
+def _check_checksum(where: str, got: str, meta: ArrayMeta, version: int) -> None:
+    """Raise CorruptVersionError unless `got` is the checksum `meta` records (the whole
+    read's and the streamed check's one message)."""
     if got != meta.checksum:
         raise CorruptVersionError(
             f"{where} checksum mismatch ({got} != {meta.checksum})",
             version=version,
             path=meta.path,
         )
-    return True
 
 
 def _nbytes(meta: ArrayMeta) -> int:
