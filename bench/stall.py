@@ -54,6 +54,21 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t
 
 
+def _timed_into(owner: Any, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+    """`fn`, its seconds added into `owner.spent[label]` at each call while `owner.on`
+    (an owner without `on` always counts)."""
+
+    def timed_call(*a: Any, **kw: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            if getattr(owner, "on", True):
+                owner.spent[label] = owner.spent.get(label, 0.0) + time.perf_counter() - t
+
+    return timed_call
+
+
 class PhaseClock:
     """Seconds per phase of the steps taken while `on`: the trainer's parts are wrapped
     (instance attributes shadow their methods; nothing they compute changes)."""
@@ -76,18 +91,7 @@ class PhaseClock:
             for part in owner_path:
                 owner = getattr(owner, part, None)
             if owner is not None and hasattr(owner, name):
-                setattr(owner, name, self._wrap(getattr(owner, name), label))
-
-    def _wrap(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
-        def timed_call(*a: Any, **kw: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                if self.on:
-                    self.spent[label] = self.spent.get(label, 0.0) + time.perf_counter() - t
-
-        return timed_call
+                setattr(owner, name, _timed_into(self, getattr(owner, name), label))
 
     def step(self, trainer: Any) -> tuple[float, dict[str, float]]:
         """One step: its seconds and its seconds per phase ("rest": the remainder)."""
@@ -113,21 +117,11 @@ class SaveParts:
         self.spent: dict[str, float] = {}
         self.defer = True
         for mod, label in ((codec.model, "model copy"), (codec.noise, "noise part")):
-            mod.encode = self._wrap(mod.encode, label)  # type: ignore[method-assign]
+            mod.encode = _timed_into(self, mod.encode, label)  # type: ignore[method-assign]
         deferred = noise_part.defer_row_checksum
         noise_part.defer_row_checksum = lambda view, entry: (  # type: ignore[assignment]
             self.defer and deferred(view, entry)
         )
-
-    def _wrap(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
-        def timed_call(*a: Any, **kw: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                self.spent[label] = self.spent.get(label, 0.0) + time.perf_counter() - t
-
-        return timed_call
 
 
 def main() -> None:
