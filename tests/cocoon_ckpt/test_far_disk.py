@@ -134,6 +134,22 @@ def test_host_budget_puts_the_rest_on_the_far_file_with_the_same_noise(tmp_path:
     assert not list(tmp_path.iterdir())
 
 
+def _commit_ring(url: Path, ring: HostRing, steps: list[int | None], step: int) -> list[Any]:
+    """A version of step `step` at `url` holding `ring`'s slots as a job's noise record
+    does (one shard over the whole width, each slot labelled with `steps`); its shards."""
+    store = Store.open(str(url))
+    store.acquire_lease()
+    arrays: dict[str, np.ndarray] = {}
+    entries = encode_slots(ring, steps, lambda a, b: ring_rows_name(0, a, b), None, {}, arrays, {})
+    tx = store.begin(step)
+    for name, values in arrays.items():
+        tx.put_array(name, values)
+    shards = [{"start": 0, "stop": ring.width, "slots": entries}]
+    tx.put_record("noise", {"shards": shards})
+    tx.commit()
+    return shards
+
+
 def test_a_stored_ring_is_restored_onto_the_far_file_row_by_row(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -148,16 +164,7 @@ def test_a_stored_ring_is_restored_onto_the_far_file_row_by_row(
     for s in range(slots):
         ring.write(s, rng.standard_normal(width, dtype=np.float32))
     steps: list[int | None] = [12, 13, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
-    store = Store.open(str(tmp_path / "ring.zarr"))
-    store.acquire_lease()
-    arrays: dict[str, np.ndarray] = {}
-    entries = encode_slots(ring, steps, lambda a, b: ring_rows_name(0, a, b), None, {}, arrays, {})
-    tx = store.begin(14)
-    for name, values in arrays.items():
-        tx.put_array(name, values)
-    shards = [{"start": 0, "stop": width, "slots": entries}]
-    tx.put_record("noise", {"shards": shards})
-    tx.commit()
+    shards = _commit_ring(tmp_path / "ring.zarr", ring, steps, 14)
     tracemalloc.start()
     try:  # every array verified, none kept
         version = Store.open(str(tmp_path / "ring.zarr"), create=False).latest()
@@ -280,16 +287,7 @@ def test_a_restore_writes_no_zeros_onto_a_new_far_file_and_clears_a_used_one(
     for s in range(2):
         ring.write(s, rng.standard_normal(width, dtype=np.float32))
     steps: list[int | None] = [0, 1, None, None, None, None, None, None]
-    store = Store.open(str(tmp_path / "ring.zarr"))
-    store.acquire_lease()
-    arrays: dict[str, np.ndarray] = {}
-    entries = encode_slots(ring, steps, lambda a, b: ring_rows_name(0, a, b), None, {}, arrays, {})
-    tx = store.begin(2)
-    for name, values in arrays.items():
-        tx.put_array(name, values)
-    shards = [{"start": 0, "stop": width, "slots": entries}]
-    tx.put_record("noise", {"shards": shards})
-    tx.commit()
+    shards = _commit_ring(tmp_path / "ring.zarr", ring, steps, 2)
     version = Store.open(str(tmp_path / "ring.zarr"), create=False).latest()
     assert version is not None
     for used in (False, True):
