@@ -9,7 +9,7 @@ is `cocoon_ckpt.dp.blt.noise.BLTNoise`.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -164,15 +164,13 @@ class BandMFNoise:
             hooks.point(AFTER_FRESH, step=t)
             _after_gemv(t)
             chunk = self._slot_chunk()
-            if self._chunk_h is None or len(self._chunk_h) < min(chunk, self.width):
-                self._chunk_h = np.empty(min(chunk, self.width), dtype=rows.dtype)
             w = bandmf_step_in_slot(
                 self.mechanism,
                 t,
                 self.fresh_noise,
                 self.start,
                 rows,
-                scratch=self._chunk_h,
+                scratch=self._slot_scratch(),
                 chunk=chunk,
             )
             self.slot_steps[t % slots] = t
@@ -210,29 +208,34 @@ class BandMFNoise:
         the first step's GEMV, against 59 ms after); a tensor sharing its memory, or
         None when no step will be computed in the slot (or it is made already). Its
         values are written before they are read, so none depends on when it was made."""
-        slots = self.mechanism.bands - 1
-        if (
-            self._chunk_h is not None
-            or not slots
-            or self.width < self.slot_min_width
-            or not isinstance(self.history, InPlaceRing)
-        ):
+        if self._chunk_h is not None or not self._in_slot():
             return None
-        self._chunk_h = np.empty(min(self._slot_chunk(), self.width), dtype=self.history.dtype)
-        return torch.from_numpy(self._chunk_h)
+        return torch.from_numpy(self._slot_scratch())
+
+    def _in_slot(self) -> bool:
+        """Whether steps may be computed in their ring slot: b >= 2, from
+        `slot_min_width` coordinates on, on a ring that is one host array (a step whose
+        s_t != 1 still is not: `_open_slot`)."""
+        return (
+            self.mechanism.bands > 1
+            and self.width >= self.slot_min_width
+            and isinstance(self.history, InPlaceRing)
+        )
+
+    def _slot_scratch(self) -> np.ndarray:
+        """The kept scratch of a step in the ring slot (one part's h_t), made on first use."""
+        need = min(self._slot_chunk(), self.width)
+        if self._chunk_h is None or len(self._chunk_h) < need:
+            self._chunk_h = np.empty(need, dtype=self.history.dtype)
+        return self._chunk_h
 
     def _open_slot(self, t: int) -> np.ndarray | None:
         """The ring as one writable host array with slot t mod (b-1)'s write guards run,
         when step t is computed in that slot (`step`); else None, no guard run."""
-        slots = self.mechanism.bands - 1
-        if (
-            not slots
-            or self.width < self.slot_min_width
-            or self.mechanism.noise_scale(t) != 1.0
-            or not isinstance(self.history, InPlaceRing)
-        ):
+        if not self._in_slot() or self.mechanism.noise_scale(t) != 1.0:
             return None
-        return self.history.open_slot(t % slots)
+        ring = cast(InPlaceRing, self.history)  # `_in_slot` checked it
+        return ring.open_slot(t % (self.mechanism.bands - 1))
 
     def materialize(self, n: int) -> torch.Tensor:
         """Dense reference: all of w_0..w_{n-1} by a triangular solve of C W = Z,
