@@ -4,8 +4,9 @@
 
 One trainer (the mlp example at ~`--dim` parameters), steps timed one by one:
 - first: the first step of a fresh trainer against the median steady step, and where
-  each spends its time (the clipped sum, the fresh noise, the ring's GEMV and write, the
-  noisy gradients, the optimizer; "rest" is the step's own bookkeeping);
+  each spends its time (the wait for the trainer's warm-up, the clipped sum, the fresh
+  noise, the ring's GEMV and write, the noisy gradients, the optimizer; "rest" is the
+  step's own bookkeeping), and the build and first step together in steady steps;
 - per round, in an order that alternates round by round, the step right after
   - `plain`: nothing,
   - `snap`: a snapshot taken and dropped (its copies into fresh memory, no write),
@@ -74,6 +75,7 @@ class PhaseClock:
     (instance attributes shadow their methods; nothing they compute changes)."""
 
     PHASES = (
+        ("_warmed", "warm-up wait"),
         ("_clipped", "clipped sum"),
         ("noise.fresh_noise.fresh", "fresh noise"),
         ("noise.history.gemv", "ring GEMV"),
@@ -194,6 +196,8 @@ def first_and_steady(trainer: Any, built: float, steps: int) -> None:
         f"dim {trainer.dim}: build {built * 1e3:.0f} ms, first step {first * 1e3:.0f} ms, steady "
         f"{statistics.median(steady) * 1e3:.0f} ms, ratio {first / statistics.median(steady):.2f}"
     )
+    # what start-up costs in all, so a wait moved into the build is not hidden
+    print(f"  build + first step = {(built + first) / statistics.median(steady):.2f} steady steps")
     for label in first_phases:
         mid = statistics.median(p.get(label, 0.0) for _, p in runs)
         print(

@@ -15,9 +15,8 @@ def test_the_warm_up_starts_once_and_changes_no_draw() -> None:
     first = warm.warm_kernels("float64", ziggurat=True, threads=2)
     again = warm.warm_kernels("float64", ziggurat=True, threads=2)
     during = keyed_gaussians(key, 3, 0, 3 * BLOCK, np.empty(3 * BLOCK, np.float64), 1.5, 2)
-    if first is not None:  # None: an earlier test's trainer started it in this process
-        assert first.daemon
-        first.join()
-    assert again is None
+    assert first.daemon
+    first.join()
+    assert again is first  # the one thread of its kind, whoever started it
     after = keyed_gaussians(key, 3, 0, 3 * BLOCK, np.empty(3 * BLOCK, np.float64), 1.5, 2)
     assert np.array_equal(before, during) and np.array_equal(before, after)
