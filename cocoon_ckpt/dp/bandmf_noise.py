@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from cocoon_ckpt._state_dict import check_state
+from cocoon_ckpt.dp.gemv import COMPILED_MIN_ELEMENTS
 from cocoon_ckpt.dp.mechanism import BandMF
 from cocoon_ckpt.dp.noise import (
     AFTER_FRESH,
@@ -67,14 +68,21 @@ class BandMFNoise:
     """The width from which a step with `out` is computed in its ring slot (`step`):
     below it, the two kept (width,) buffers it saves hold at most 8 MiB of float32."""
 
-    slot_part_width = 1 << 25
-    """The most coordinates a step in the ring slot computes at once: the width is cut
-    in equal parts of whole noise blocks no wider, one after the other, and its
-    scratch is one part (109 MiB of float32 at 85.9M parameters, 3 parts). Each part
-    is a parallel launch of the GEMV and of the draw, and each launch waits for every
-    thread to wake: with b = 4 on 2 cores (bench/noise_slot.py), at 16.8M coordinates
-    (load 5) the step in the slot took 0.86x the kept buffers' step in one part, 1.08x
-    in 2 and 1.15x in 4; at 85M (load 3-5) 0.77x, 0.78x and 0.77x in 1, 2 and 3."""
+    slot_fused_min_elements = COMPILED_MIN_ELEMENTS
+    """The ring elements from which a step in the ring slot with the default generator
+    is one fused compiled pass over the whole width (`bandmf_step_in_slot`, fused: no
+    scratch, one parallel launch); below, numba's start-up would cost more than the
+    step, and the step keeps a scratch of one part (`slot_part_width`)."""
+
+    slot_part_width = 1 << 22
+    """The most coordinates a step in the ring slot computes at once where it is not
+    fused (the secure generator, or a ring under `slot_fused_min_elements`): the width
+    is cut in equal parts of whole noise blocks no wider, one after the other, and the
+    kept scratch is one part (16 MiB of float32; the secure draw's own arrays of 16
+    blocks are 20 MiB). Each part is a parallel launch of the GEMV, 5-8 ms on this
+    loaded 2-core machine (`cocoon_ckpt.dp._slot_kernel`): with the secure generator
+    at 8.4M coordinates (load 2.6) a step took 236 ms in one part, 239 in parts of
+    2^22 and 299 in parts of 2^20."""
 
     def __init__(
         self,
@@ -105,7 +113,8 @@ class BandMFNoise:
         self.slot_steps: list[int | None] = [None] * self.history.slots
         #: the GEMV's h_t, kept from step to step (made on the first step that needs it)
         self._h: np.ndarray | None = None
-        #: a part's h_t of a step in the ring's slot (`slot_part_width`), kept likewise
+        #: a part's h_t of a step in the ring's slot not fused (`slot_part_width`), kept
+        #: likewise
         self._chunk_h: np.ndarray | None = None
 
     @property
@@ -140,8 +149,10 @@ class BandMFNoise:
         array (`InPlaceRing`: a `HostRing`, or tiers with every column on one host
         tier) and w_t is the ring's row (b >= 2, s_t = 1), w_t is computed in its ring
         slot itself (`bandmf_step_in_slot`, the same bits): the caller's `out` and the
-        kept h (328 MiB each at 85.9M parameters) are then never touched, and the
-        step's scratch is one part of the width (`slot_part_width`). A
+        kept h (328 MiB each at 85.9M parameters) are then never touched; with the
+        default generator the step is one fused pass that keeps no scratch
+        (`slot_fused_min_elements`), else its scratch is one part of the width
+        (`slot_part_width`). A
         snapshot's lent row of that slot is copied out or finished first (the ring's
         write guards); the crash points fire before any byte of the slot changes.
 
@@ -163,15 +174,16 @@ class BandMFNoise:
             # the slot is w_t's buffer: nothing of it is changed before these points
             hooks.point(AFTER_FRESH, step=t)
             _after_gemv(t)
-            chunk = self._slot_chunk()
+            fused = self._slot_fused()
             w = bandmf_step_in_slot(
                 self.mechanism,
                 t,
                 self.fresh_noise,
                 self.start,
                 rows,
-                scratch=self._slot_scratch(),
-                chunk=chunk,
+                scratch=None if fused else self._slot_scratch(),
+                chunk=None if fused else self._slot_chunk(),
+                fused=fused,
             )
             self.slot_steps[t % slots] = t
             self.t = t + 1
@@ -202,15 +214,23 @@ class BandMFNoise:
         return max(1, -(-self.width // (parts * BLOCK))) * BLOCK
 
     def reserve_scratch(self) -> torch.Tensor | None:
-        """Make now the scratch a step in the ring slot keeps (one part's h_t, 109 MiB at
-        85.9M parameters), so a caller can fault its pages in before the first step
-        (`train.warm.fault_in`: on a 25.8M transformer its first touch was ~1.4 s of
-        the first step's GEMV, against 59 ms after); a tensor sharing its memory, or
-        None when no step will be computed in the slot (or it is made already). Its
-        values are written before they are read, so none depends on when it was made."""
-        if self._chunk_h is not None or not self._in_slot():
+        """Make now the scratch a step in the ring slot keeps where it is not fused (one
+        part's h_t, `slot_part_width`), so a caller can fault its pages in before the
+        first step (`train.warm.fault_in`: on a 25.8M transformer the first touch of a
+        103 MB one was ~1.4 s of the first step's GEMV, against 59 ms after); a tensor
+        sharing its memory, or None when no step keeps one (not in the slot, or fused)
+        or it is made already. Its values are written before they are read, so none
+        depends on when it was made."""
+        if self._chunk_h is not None or not self._in_slot() or self._slot_fused():
             return None
         return torch.from_numpy(self._slot_scratch())
+
+    def _slot_fused(self) -> bool:
+        """Whether a step in the ring slot is one fused pass (`slot_fused_min_elements`)."""
+        return (
+            self.fresh_noise.rng is NoiseRng.DEFAULT
+            and self.history.slots * self.width >= self.slot_fused_min_elements
+        )
 
     def _in_slot(self) -> bool:
         """Whether steps may be computed in their ring slot: b >= 2, from

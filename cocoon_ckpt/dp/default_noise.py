@@ -48,6 +48,7 @@ __all__ = [
     "block_entropy",
     "block_generator",
     "block_seed_words",
+    "block_seeds",
     "gaussian_block",
     "keyed_gaussians",
 ]
@@ -94,6 +95,13 @@ def block_seed_words(entropy: int) -> np.ndarray:
         raise ValueError(f"entropy={entropy} must be a 256-bit non-negative integer")
     seq = np.random.SeedSequence(entropy, pool_size=_POOL_WORDS)
     return seq.generate_state(3, np.uint64)
+
+
+def block_seeds(key: bytes, t: int, start: int, stop: int) -> np.ndarray:
+    """The SFC64 seed words of every block z_t[start:stop] touches, in order:
+    (blocks, 3) uint64, what the compiled generator draws from."""
+    blocks = range(start // BLOCK, (stop - 1) // BLOCK + 1)
+    return np.array([block_seed_words(block_entropy(key, t, k)) for k in blocks], np.uint64)
 
 
 def gaussian_block(entropy: int, out: np.ndarray, std: float = 1.0) -> np.ndarray:
@@ -170,7 +178,7 @@ def keyed_gaussians(
     if compiled:
         from cocoon_ckpt.dp._ziggurat_kernel import gaussians_into
 
-        seeds = np.array([block_seed_words(block_entropy(key, t, k)) for k in blocks])
+        seeds = block_seeds(key, t, start, stop)
         gaussians_into(seeds, out.view(np.ndarray), start % BLOCK, std, BLOCK, threads)
         return out
 

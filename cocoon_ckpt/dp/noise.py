@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cocoon_ckpt.dp.default_noise import BLOCK, block_entropy, keyed_gaussians
+from cocoon_ckpt.dp.default_noise import BLOCK, block_entropy, block_seeds, keyed_gaussians
 from cocoon_ckpt.dp.elementwise import sub_div_
 from cocoon_ckpt.dp.gemv import COMPILED_MIN_ELEMENTS, mix_history
 from cocoon_ckpt.dp.generator import (
@@ -123,6 +123,14 @@ class KeyedNoise:
         """The 256-bit seed of (t, block) under the default scheme, derived from the key
         with keyed BLAKE2b (`cocoon_ckpt.dp.default_noise.block_entropy`)."""
         return block_entropy(self._key, t, block)
+
+    def block_seeds(self, t: int, start: int, stop: int) -> np.ndarray:
+        """The default scheme's SFC64 seed words of the blocks z_t[start:stop] touches,
+        (blocks, 3) uint64 (`cocoon_ckpt.dp.default_noise.block_seeds`): as secret as
+        the noise they draw."""
+        if self.rng is not NoiseRng.DEFAULT:
+            raise ValueError(f"block_seeds: the {self.rng.value} generator has no SFC64 seeds")
+        return block_seeds(self._key, t, start, stop)
 
     def fresh(
         self, t: int, start: int = 0, stop: int | None = None, out: torch.Tensor | None = None
@@ -282,16 +290,22 @@ def bandmf_step_in_slot(
     mix: np.ndarray | None = None,
     scratch: np.ndarray | None = None,
     chunk: int | None = None,
+    fused: bool | None = None,
 ) -> torch.Tensor:
     """`bandmf_step` computed in ring slot t mod (b-1) itself, with no (width,) buffer
-    of its own: column chunk by column chunk, the GEMV of the chunk's columns into
-    `scratch` (it reads w_{t-b+1}, which the slot still holds there), then z_t of those
+    of its own, column chunk by column chunk. Fused (the default generator): one
+    compiled pass over each noise block of the chunk, on one thread, computes the GEMV
+    of its columns into a buffer of one block (it reads w_{t-b+1}, which the slot still
+    holds there), draws its z_t into the slot's columns and computes w = (z - h) / c_0
+    there (`cocoon_ckpt.dp._slot_kernel`): one parallel launch a chunk and no scratch.
+    Not fused: the GEMV of the chunk's columns into `scratch`, then z_t of those
     coordinates drawn into the slot's chunk, then w = (z - h) / c_0 in place there.
 
-    The same bits as `bandmf_step`, ring and w_t: the GEMV's order of rounding is per
-    column (`cocoon_ckpt.dp.gemv`: any column range gives the same values), a range of
-    keyed noise equals the same slice of the whole draw (I1), and the subtraction and
-    division are elementwise (`cocoon_ckpt.dp.elementwise.sub_div_`).
+    The same bits as `bandmf_step`, ring and w_t, either way: the GEMV's order of
+    rounding is per column (`cocoon_ckpt.dp.gemv`: any column range gives the same
+    values), a range of keyed noise equals the same slice of the whole draw (I1), and
+    the subtraction and division are elementwise (`cocoon_ckpt.dp.elementwise.sub_div_`);
+    the fused pass runs those kernels' own loops.
 
     Args:
         mechanism: the BandMF strategy, b >= 2, with s_t = 1 at this t (a
@@ -304,21 +318,26 @@ def bandmf_step_in_slot(
             `fresh_noise`'s dtype whose write guards for slot t mod (b-1) have run
             (`cocoon_ckpt.dp.ring.InPlaceRing.open_slot`); slot t mod (b-1) is written.
         mix: `mechanism.mixing_vector(t)`, when the caller has it already.
-        scratch: a host array of the ring's dtype with at least min(chunk, width)
-            elements that each chunk's h is computed into (the caller's, kept from step
-            to step); None: a new one.
+        scratch: not fused, a host array of the ring's dtype with at least
+            min(chunk, width) elements that each chunk's h is computed into (the
+            caller's, kept from step to step); None: a new one. Fused: unused.
         chunk: coordinates per chunk, the cuts at multiples of `chunk` in the key's
             coordinates (with a multiple of the noise's BLOCK, no block is drawn twice);
             None: the whole width at once. Each chunk is a parallel launch of each
-            kernel, which on a loaded machine costs a wake-up of every thread: few
-            large chunks (`BandMFNoise.slot_part_width`).
+            kernel (one fused), which on a loaded machine costs 5-8 ms here
+            (`cocoon_ckpt.dp._slot_kernel`): few large chunks.
+        fused: True: the fused pass (the default generator only); False: the three
+            kernels through `scratch`; None: fused for the default generator from
+            `gemv.COMPILED_MIN_ELEMENTS` ring elements on (below, numba's start-up
+            would cost more than the step). The same bits.
 
     Returns:
         w_t, (width,): slot t mod (b-1) of `rows` as a tensor (a view of the ring: read
         it before step t + b - 1 writes the slot again, and never write it).
 
     Raises:
-        ValueError: b = 1, s_t != 1, or `rows` is not such an array.
+        ValueError: b = 1, s_t != 1, `rows` is not such an array, or `fused` with
+            another generator than the default.
     """
     slots = mechanism.bands - 1
     if not slots or mechanism.noise_scale(t) != 1.0:
@@ -344,7 +363,29 @@ def bandmf_step_in_slot(
         raise ValueError(f"bandmf_step_in_slot: chunk={chunk} must be >= 1")
     c0 = float(mechanism.coefficients[0])
     # cast once: the GEMV casts the mixing vector to the ring's dtype anyway
-    m = np.asarray(mechanism.mixing_vector(t) if mix is None else mix, dtype=dt)
+    m = np.ascontiguousarray(mechanism.mixing_vector(t) if mix is None else mix, dtype=dt)
+    # which kernels run is decided once for the whole ring (the same bits either way)
+    compiled = rows.size >= COMPILED_MIN_ELEMENTS
+    default_rng = fresh_noise.rng is NoiseRng.DEFAULT
+    if fused is None:
+        fused = default_rng and compiled
+    elif fused and not default_rng:
+        raise ValueError(
+            f"bandmf_step_in_slot: fused=True draws the default generator's noise; this "
+            f"noise is {fresh_noise.rng.value}'s: pass fused=None or False"
+        )
+    w = torch.from_numpy(rows[t % slots])
+    if fused:
+        from cocoon_ckpt.dp._slot_kernel import step_into_slot
+
+        lo, stop = start, start + width
+        while lo < stop:
+            hi = min(stop, (lo // chunk + 1) * chunk)
+            seeds = fresh_noise.block_seeds(t, lo, hi)
+            ring = rows[:, lo - start : hi - start]
+            step_into_slot(m, ring, t % slots, seeds, lo % BLOCK, fresh_noise.std, c0, BLOCK)
+            lo = hi
+        return w
     if scratch is None:
         scratch = np.empty(min(chunk, width), dtype=dt)
     elif scratch.dtype != dt or scratch.ndim != 1 or len(scratch) < min(chunk, width):
@@ -352,9 +393,6 @@ def bandmf_step_in_slot(
             f"bandmf_step_in_slot: scratch is {scratch.dtype}{scratch.shape}; the step "
             f"needs at least {min(chunk, width)} {dt} elements"
         )
-    # which kernels run is decided once for the whole ring (the same bits either way)
-    compiled = rows.size >= COMPILED_MIN_ELEMENTS
-    w = torch.from_numpy(rows[t % slots])
     lo, stop = start, start + width
     while lo < stop:
         hi = min(stop, (lo // chunk + 1) * chunk)

@@ -1,11 +1,12 @@
 """The BandMF step computed in its ring slot (`bandmf_step_in_slot`, `BandMFNoise.step`
-with `out` on a ring that is one host array, #31 item 2): w_t, the ring and a trainer's
-parameters equal the step through the caller's and the noise's kept (width,) buffers
-bit for bit (any width, band count, dtype, generator, chunking, thread count, shard
-start, past the ring's wrap); a lent ring row is copied out before any byte of its slot
-changes; the crash points fire while the slot is unchanged; and the step allocates no
-(width,) buffer (tracemalloc sees every numpy buffer; the caller's `out` and the kept h
-are never touched)."""
+with `out` on a ring that is one host array, #31 item 2), fused into one compiled pass
+or through a kept scratch: w_t, the ring and a trainer's parameters equal the step
+through the caller's and the noise's kept (width,) buffers bit for bit (any width, band
+count, dtype, generator, chunking, thread count, shard start, past the ring's wrap); a
+lent ring row is copied out before any byte of its slot changes; the crash points fire
+while the slot is unchanged; and the step allocates no (width,) buffer, the fused one
+nothing but one noise block's buffer a thread (tracemalloc sees every numpy buffer;
+the caller's `out` and the kept h are never touched)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import dataclasses
 import tracemalloc
 from typing import Any
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -42,8 +44,10 @@ def _pair(
     rng: str,
     parts: int,
     tiered: bool,
+    fuse: bool = False,
 ) -> tuple[BandMFNoise, BandMFNoise]:
-    """(in the slot, through the kept buffers) over the same key and shard."""
+    """(in the slot, through the kept buffers) over the same key and shard; in the slot
+    fused (`fuse`, the default generator) or through a scratch of `parts` parts."""
     dim = start + width + 5
     ring: RingHistory = (
         TieredHistory.single_host(mech.bands - 1, width, dtype)
@@ -52,6 +56,7 @@ def _pair(
     )
     fused = BandMFNoise(mech, dim, KEY, 1.3, dtype, start=start, stop=start + width, history=ring)
     fused.slot_min_width, fused.slot_part_width = 1, -(-width // parts)
+    fused.slot_fused_min_elements = 1 if fuse else NEVER
     kept = BandMFNoise(mech, dim, KEY, 1.3, dtype, start=start, stop=start + width, rng=rng)
     kept.slot_min_width = NEVER
     fused.fresh_noise = kept.fresh_noise  # the same generator (the rng drawn)
@@ -69,6 +74,7 @@ def _pair(
     extra=st.integers(0, 4),
     threads=st.sampled_from([1, 2]),
     tiered=st.booleans(),
+    fuse=st.booleans(),
 )
 def test_the_step_in_the_slot_is_the_kept_buffers_step(
     width: int,
@@ -80,16 +86,20 @@ def test_the_step_in_the_slot_is_the_kept_buffers_step(
     extra: int,
     threads: int,
     tiered: bool,
+    fuse: bool,
 ) -> None:
     mech = BandMF.banded_sqrt(bands, 40)
-    fused, kept = _pair(mech, width, start, dtype, rng, parts, tiered)
+    fused, kept = _pair(mech, width, start, dtype, rng, parts, tiered, fuse)
+    one_pass = fuse and rng == "default"  # the secure generator keeps the scratch
     tdt = getattr(torch, dtype)
     out = torch.full((width,), float("nan"), dtype=tdt)
     kept_out = torch.empty(width, dtype=tdt)
-    was = torch.get_num_threads()
+    was, was_numba = torch.get_num_threads(), numba.get_num_threads()
     try:
         for t in range(2 * (bands - 1) + extra):  # past the ring's wrap
-            torch.set_num_threads(threads)  # the draw's blocks on any number of threads
+            # the draw's blocks, and the fused pass's, on any number of threads
+            torch.set_num_threads(threads)
+            numba.set_num_threads(threads)
             w = fused.step(out)
             torch.set_num_threads(1)
             want = kept.step(kept_out)
@@ -102,8 +112,11 @@ def test_the_step_in_the_slot_is_the_kept_buffers_step(
             assert fused.row_steps() == kept.row_steps() and fused.t == kept.t == t + 1
         assert torch.isnan(out).all()  # the caller's buffer is never touched
         assert fused._h is None  # nor is a (width,) h made
+        assert (fused._chunk_h is None) is one_pass  # nor, fused, a scratch
+        assert (fused.reserve_scratch() is None) or not one_pass
     finally:
         torch.set_num_threads(was)
+        numba.set_num_threads(was_numba)
 
 
 @settings(max_examples=25, deadline=None)
@@ -115,6 +128,8 @@ def test_the_step_in_the_slot_is_the_kept_buffers_step(
     chunks=st.lists(st.integers(1, 3 * BLOCK), min_size=1, max_size=4),
     steps=st.integers(1, 12),
     optimized=st.booleans(),
+    fused=st.sampled_from([None, True, False]),
+    threads=st.sampled_from([1, 2]),
 )
 def test_the_function_is_bandmf_step_in_any_chunking(
     width: int,
@@ -124,16 +139,25 @@ def test_the_function_is_bandmf_step_in_any_chunking(
     chunks: list[int],
     steps: int,
     optimized: bool,
+    fused: bool | None,
+    threads: int,
 ) -> None:
     mech = BandMF.optimized(bands, 16, max_iter=10) if optimized else BandMF.banded_sqrt(bands, 16)
     noise = KeyedNoise(KEY, start + width, 0.9, dtype)
     rows = np.zeros((bands - 1, width), dtype=dtype)
     ring = HostRing(bands - 1, width, dtype)
-    scratch = np.empty(max(*chunks, width), dtype=dtype)
+    scratch = None if fused else np.empty(max(*chunks, width), dtype=dtype)
+    was = numba.get_num_threads()
     for t in range(steps):
         # another chunking every step, at most ~40 chunks (a test's time)
         chunk = max(chunks[t % len(chunks)], -(-width // 40))
-        w = bandmf_step_in_slot(mech, t, noise, start, rows, scratch=scratch, chunk=chunk)
+        numba.set_num_threads(threads)  # the fused pass's blocks on any number of threads
+        try:
+            w = bandmf_step_in_slot(
+                mech, t, noise, start, rows, scratch=scratch, chunk=chunk, fused=fused
+            )
+        finally:
+            numba.set_num_threads(was)
         want = bandmf_step(mech, t, noise.fresh(t, start, start + width), ring)
         assert torch.equal(w, want)
         assert np.array_equal(rows, ring.gather())
@@ -150,6 +174,10 @@ def test_the_function_refuses_what_it_cannot_do() -> None:
         bandmf_step_in_slot(
             BandMF.banded_sqrt(3, 5), 0, noise, 0, rows, scratch=np.empty(39, np.float32), chunk=40
         )
+    secure = KeyedNoise(KEY, 100, 1.0, rng="secure")
+    with pytest.raises(ValueError, match="fused=True draws the default generator"):
+        bandmf_step_in_slot(BandMF.banded_sqrt(3, 5), 0, secure, 0, rows, fused=True)
+    assert not rows.any()  # nothing written
 
 
 def test_steps_without_a_ring_row_keep_the_general_step() -> None:
@@ -282,12 +310,12 @@ def test_the_crash_points_fire_before_the_slot_changes(point: str) -> None:
     assert torch.equal(fused.step(out), kept.step())  # the step taken again is the same
 
 
-def test_a_step_allocates_no_width_buffer() -> None:
+def test_a_step_through_a_scratch_allocates_no_width_buffer() -> None:
     mech = BandMF.banded_sqrt(4, 30)
     width = 16 * BLOCK  # 4 MiB of float32 a row
-    fused, _ = _pair(mech, width, 0, "float32", "default", 4, False)
+    fused, _ = _pair(mech, width, 0, "float32", "default", 4, False)  # not fused
     out = torch.full((width,), float("nan"))
-    fused.step(out)  # the first step makes the scratch of one part
+    assert fused.reserve_scratch() is not None  # the scratch of one part, made at build
     row = width * 4
     tracemalloc.start()
     try:
@@ -300,6 +328,30 @@ def test_a_step_allocates_no_width_buffer() -> None:
         tracemalloc.stop()
     assert fused._chunk_h is not None and fused._chunk_h.nbytes == row // 4  # one of 4 parts
     assert fused._h is None and torch.isnan(out).all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_fused_step_allocates_one_block_a_thread(dtype: str) -> None:
+    mech = BandMF.banded_sqrt(4, 30)
+    width = 64 * BLOCK + 7  # 16 MiB of float32 a row
+    fused, kept = _pair(mech, width, 0, dtype, "default", 1, False, fuse=True)
+    assert fused.reserve_scratch() is None  # nothing to make at build
+    out = torch.full((width,), float("nan"), dtype=getattr(torch, dtype))
+    item = np.dtype(dtype).itemsize
+    # the fused pass's buffers: one noise block a thread, whatever the width
+    bound = min(numba.get_num_threads(), 65) * BLOCK * item + (64 << 10)
+    assert torch.equal(fused.step(out), kept.step())  # the kernel's first call loads it
+    tracemalloc.start()
+    try:
+        for _ in range(5):  # past the wrap
+            tracemalloc.reset_peak()
+            w = fused.step(out)
+            peak = tracemalloc.get_traced_memory()[1]
+            assert peak <= bound, (peak, bound)
+            assert torch.equal(w, kept.step())
+    finally:
+        tracemalloc.stop()
+    assert fused._chunk_h is None and fused._h is None and torch.isnan(out).all()
 
 
 def _trainer(overlap: bool, in_slot: bool) -> Any:
