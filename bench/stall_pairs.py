@@ -1,0 +1,261 @@
+"""The step right after an asynchronous checkpoint against the step right after none, as
+alternating pairs (#31: a target is met when the median of >= 6 alternating pairs is at
+or below it), and what the training thread does with the extra wall time.
+
+    python bench/stall_pairs.py [--dim 8000000] [--bands 8] [--every 4] [--pairs 6]
+
+bench/stall.py's job (the mlp example at ~`--dim` parameters) and its `async` case: a
+`Checkpointer` with the lowered writer, k = `--every`. Each pair is the step right after
+nothing (`plain`) and the step right after `save()` (`async`), each after k - 1 steps
+that move the ring on as a job's would, plain first in even pairs and async first in odd
+ones; the pair's ratio is async ÷ plain, and the median of the pairs' ratios is the
+figure. Every timed step is split by the kernel's own accounting of the training thread
+(/proc/self/task/<tid>/schedstat): its CPU time, its time runnable but waiting for a core
+(the writer and the machine's other load on the cores), and the rest, asleep (the GIL
+held by another thread, a lock, I/O); beside it the CPU the other threads of the process
+took during the step (the writer's, named apart), the machine's CPU time by kind and its
+huge-page, compaction and direct-reclaim counters over the step, and the dirty and
+writeback pages of the page cache when the step ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+
+from cocoon_ckpt import DPConfig, JobConfig
+from cocoon_ckpt.format.metrics import TrainingMetrics
+from cocoon_ckpt.train.checkpoint import Checkpointer
+from cocoon_ckpt.train.job_records import job_records
+from cocoon_ckpt.train.runner import build_trainer
+from state import Store
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def schedstat(tid: int) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable and waiting for one) of thread `tid`."""
+    with open(f"/proc/self/task/{tid}/schedstat") as f:
+        on, wait, _slices = f.read().split()
+    return int(on) / 1e9, int(wait) / 1e9
+
+
+def faults(tid: int) -> tuple[int, float]:
+    """(page faults, minor and major, and seconds of system time) thread `tid` has taken."""
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[7]) + int(fields[9]), int(fields[12]) / _TICK
+
+
+def threads_cpu() -> dict[int, float]:
+    """CPU seconds (user + system) of every thread of this process, by native id."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # a thread that ended
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / _TICK
+    return out
+
+
+_CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def machine_cpu() -> dict[str, float]:
+    """Seconds of the machine's CPUs, all summed, by kind (/proc/stat): `nice` is the
+    niced threads' (the lowered writer's among them), `steal` what the host took from
+    this VM."""
+    with open("/proc/stat") as f:
+        values = f.readline().split()[1:9]
+    return {k: int(v) / _TICK for k, v in zip(_CPU_FIELDS, values, strict=True)}
+
+
+_VMSTAT = (
+    "thp_fault_alloc",
+    "thp_fault_fallback",
+    "compact_stall",
+    "allocstall_movable",
+    "pgsteal_direct",
+    "pgfree",
+)
+
+
+def vmstat() -> dict[str, int]:
+    """Machine-wide counters of /proc/vmstat: huge pages faulted in and fallen back from,
+    direct compaction and reclaim (a thread allocating stalls in them), pages freed."""
+    got = {}
+    with open("/proc/vmstat") as f:
+        for line in f:
+            key, value = line.split()
+            if key in _VMSTAT:
+                got[key] = int(value)
+    return got
+
+
+def switches(tid: int) -> int:
+    """Times thread `tid` was taken off a core while it could still run."""
+    with open(f"/proc/self/task/{tid}/status") as f:
+        for line in f:
+            if line.startswith("nonvoluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    return 0
+
+
+def dirty_pages() -> tuple[int, int]:
+    """(dirty, under writeback) bytes of the page cache, machine-wide."""
+    got = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, value = line.split(":")
+            got[key] = int(value.split()[0]) * 1024
+    return got["Dirty"], got["Writeback"]
+
+
+class Sample:
+    """One timed step: wall, and the training thread's CPU, run-queue wait, sleep and
+    page faults."""
+
+    def __init__(self, step: object, writer_ids: set[int]) -> None:
+        me = threading.get_native_id()
+        before_cpu = threads_cpu()
+        on0, wait0 = schedstat(me)
+        faults0, switches0, machine0, vm0 = faults(me), switches(me), machine_cpu(), vmstat()
+        t = time.perf_counter()
+        step()  # type: ignore[operator]
+        self.wall = time.perf_counter() - t
+        on1, wait1 = schedstat(me)
+        faults1 = faults(me)
+        self.faults, self.system = faults1[0] - faults0[0], faults1[1] - faults0[1]
+        self.preempted = switches(me) - switches0
+        self.machine = {k: v - machine0[k] for k, v in machine_cpu().items()}
+        self.vm = {k: v - vm0.get(k, 0) for k, v in vmstat().items()}
+        after_cpu = threads_cpu()
+        self.cpu, self.runnable = on1 - on0, wait1 - wait0
+        self.asleep = max(0.0, self.wall - self.cpu - self.runnable)
+        spent = {k: v - before_cpu.get(k, 0.0) for k, v in after_cpu.items() if k != me}
+        self.writer = sum(v for k, v in spent.items() if k in writer_ids)
+        self.others = sum(v for k, v in spent.items() if k not in writer_ids)
+        self.dirty, self.writeback = dirty_pages()
+
+    def line(self) -> str:
+        return (
+            f"wall {self.wall * 1e3:5.0f} ms = CPU {self.cpu * 1e3:5.0f} + waiting for a core "
+            f"{self.runnable * 1e3:4.0f} ({self.preempted} preemptions) + asleep "
+            f"{self.asleep * 1e3:4.0f}; its system time {self.system * 1e3:.0f} ms, {self.faults} "
+            f"faults; writer CPU {self.writer * 1e3:4.0f}, "
+            f"other threads {self.others * 1e3:4.0f} ms; dirty {self.dirty / 2**20:.0f} MiB, "
+            f"writeback {self.writeback / 2**20:.0f} MiB\n        machine CPU ms: "
+            + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in self.machine.items())
+            + "\n        vmstat: "
+            + ", ".join(f"{k} {v}" for k, v in self.vm.items())
+        )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
+    p.add_argument("--dim", type=int, default=8_000_000, help="approximate model parameters")
+    p.add_argument("--bands", type=int, default=8)
+    p.add_argument("--every", type=int, default=4, help="steps between checkpoints (k)")
+    p.add_argument("--pairs", type=int, default=6)
+    p.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
+    p.add_argument(
+        "--torch-threads", type=int, default=None, help="torch.set_num_threads (default: torch's)"
+    )
+    args = p.parse_args()
+    if args.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    root = tempfile.mkdtemp(dir=args.dir)
+    try:
+        run(args, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, root: str) -> None:
+    import torch
+
+    print(
+        f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; torch "
+        f"threads {torch.get_num_threads()}"
+    )
+    cfg = JobConfig(
+        job="example:mlp",
+        dp=DPConfig(
+            steps=10_000, batch_size=16, dataset_size=4096, noise_multiplier=1.0, bands=args.bands
+        ),
+        options={"hidden": max(1, args.dim // 25)},
+    )
+    trainer = build_trainer(cfg, bytes(32))
+    for _ in range(args.bands + 1):  # the first steps' start-up is not the stall
+        trainer.train_step()
+    records: dict[str, object] = dict(job_records(cfg, trainer, bytes(32), None))
+    records.setdefault("metrics", TrainingMetrics().to_record(0))
+    store = Store.open(os.path.join(root, "async.zarr"))
+    store.acquire_lease()
+    ck = Checkpointer(store, async_write=True, keep_last=2)
+    ratios: list[float] = []
+    cpu_ratios: list[float] = []
+    samples: dict[str, list[Sample]] = {"plain": [], "async": []}
+    for i in range(args.pairs):
+        got: dict[str, Sample] = {}
+        for mode in ("plain", "async") if i % 2 == 0 else ("async", "plain"):
+            for _ in range(args.every - 1):  # the ring moves on as a job's would
+                trainer.train_step()
+            writers: set[int] = set()
+            if mode == "async":
+                save = time.perf_counter()
+                ck.save(trainer, dict(records))
+                save = time.perf_counter() - save
+                writers = {
+                    t.native_id
+                    for t in threading.enumerate()
+                    if t.name.startswith("ckpt") and t.native_id is not None
+                }
+            got[mode] = Sample(trainer.train_step, writers)
+            if mode == "async":
+                ck.wait()  # the next step of the pair starts with no write in flight
+        ratios.append(got["async"].wall / got["plain"].wall)
+        cpu_ratios.append(got["async"].cpu / got["plain"].cpu)
+        print(
+            f"pair {i} ({'plain first' if i % 2 == 0 else 'async first'}, load "
+            f"{os.getloadavg()[0]:.1f}): ratio {ratios[-1]:.2f} (training thread CPU "
+            f"{cpu_ratios[-1]:.2f}); save() {save * 1e3:.0f} ms"
+        )
+        for mode in ("plain", "async"):
+            print(f"  {mode:<5} {got[mode].line()}")
+            samples[mode].append(got[mode])
+    ck.close()
+    print(
+        f"step after an async checkpoint ÷ after none, median of {args.pairs} alternating "
+        f"pairs: wall {statistics.median(ratios):.2f} (pairs "
+        + ", ".join(f"{r:.2f}" for r in ratios)
+        + f"); the training thread's CPU {statistics.median(cpu_ratios):.2f}"
+    )
+    for mode, ss in samples.items():
+        med = {
+            k: statistics.median(getattr(s, k) for s in ss) * 1e3
+            for k in ("wall", "cpu", "runnable", "asleep", "writer", "others")
+        }
+        print(
+            f"median after {mode}: wall {med['wall']:.0f} ms = CPU {med['cpu']:.0f} + waiting "
+            f"for a core {med['runnable']:.0f} + asleep {med['asleep']:.0f}; writer CPU "
+            f"{med['writer']:.0f}, other threads {med['others']:.0f} ms; machine CPU ms: "
+            + ", ".join(
+                f"{k} {statistics.median(x.machine[k] for x in ss) * 1e3:.0f}" for k in _CPU_FIELDS
+            )
+        )
+    print(f"load average at end: {os.getloadavg()[0]:.1f}")
+    trainer.close()
+
+
+if __name__ == "__main__":
+    main()
