@@ -12,7 +12,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar, get_args
 
 import numpy as np
 import torch
@@ -23,6 +23,8 @@ from state import ArrayMeta
 __all__ = [
     "BUFFERS",
     "Encoded",
+    "LENT_ROW_POLICIES",
+    "LentRowPolicy",
     "SharedRows",
     "SharingRing",
     "SnapshotBuffers",
@@ -33,6 +35,11 @@ __all__ = [
 ]
 
 R = TypeVar("R")
+
+#: What the ring may do before overwriting a lent row the writer has not begun
+#: (`SharedRows`, `Checkpointer(lent_rows=...)`): copy it out, or wait for the writer.
+LentRowPolicy = Literal["copy", "wait"]
+LENT_ROW_POLICIES: tuple[LentRowPolicy, ...] = get_args(LentRowPolicy)
 
 
 class SnapshotBuffers:
@@ -121,8 +128,19 @@ class SharedRows:
     `before_overwrite` before writing that slot again, which copies the row out (one
     row, into `BUFFERS`) if the writer has not begun it, or waits for the writer to
     finish it if it has. Either way the bytes written are the row as the snapshot saw
-    it: no stored bit changes. With k < b-1 no new slot is written again before the next
-    checkpoint (which waits for this one), so nothing is ever copied.
+    it: no stored bit changes. A checkpoint after step t, one every k steps, lends its
+    new rows, those of steps t-k+1..t (all b-1 of them when k >= b-1); the ring writes
+    the slot of step s again at step s+b-1, so the oldest lent row is overwritten at
+    step t+b-k, which comes before the next checkpoint (after step t+k; it waits for
+    this one) when 2k >= b. Only with 2k < b is no lent row reached while its version
+    may still be in flight, so nothing is ever copied nor waited for.
+
+    `on_overwrite="wait"` (`LENT_ROW_POLICIES`) is the memory-first choice: a row the
+    ring must overwrite before the writer has begun it is not copied; the writer is told
+    to write it next (`next_array`) and the ring waits until it has. The step stalls
+    for the rest of the array the writer is in and that row; no row is ever copied
+    (`copied` stays 0). The writer calls `writer_done` when it stops, written or
+    failed, so no ring waits for a writer that is gone.
 
     Only the rows of a version being written are lent (each `Checkpointer` has its own
     `SharedRows` and takes its snapshot under `lending`); a snapshot taken for any other
@@ -141,7 +159,26 @@ class SharedRows:
 
     PENDING, WRITING, DONE = 0, 1, 2
 
-    def __init__(self) -> None:
+    def __init__(self, *, on_overwrite: LentRowPolicy = "copy") -> None:
+        """
+        Args:
+            on_overwrite: what the ring does before overwriting a lent row the writer
+                has not begun: "copy" it out (one row's memory, no stall) or "wait" for
+                the writer to write it next (no memory, the step stalls).
+
+        Raises:
+            ValueError: `on_overwrite` is neither.
+        """
+        if on_overwrite not in LENT_ROW_POLICIES:
+            raise ValueError(
+                f"on_overwrite={on_overwrite!r}: must be one of "
+                f"{', '.join(map(repr, LENT_ROW_POLICIES))}"
+            )
+        self.on_overwrite: LentRowPolicy = on_overwrite
+        #: lent rows copied out before the ring overwrote them, over this object's life
+        self.copied = 0
+        # names of lent rows the ring waits on and the writer has not begun: written next
+        self._wanted: list[str] = []
         self._cond = threading.Condition()
         self._lending = False
         self._rings: list[SharingRing] = []
@@ -258,25 +295,50 @@ class SharedRows:
             entry = self._rows.get(name)
             if entry is not None:
                 entry[1] = self.DONE
+                if name in self._wanted:
+                    self._wanted.remove(name)
                 if checksum is not None and entry[5] is not None:
                     entry[5][4] = checksum
                 self._cond.notify_all()
 
     def before_overwrite(self, slot: int) -> None:
         """Called by the ring before it writes `slot`: copy out a lent row of it the
-        writer has not begun, or wait until the writer has finished one it is writing."""
+        writer has not begun (`on_overwrite="copy"`; with "wait", have the writer take
+        it next and wait), or wait until the writer has finished one it is writing."""
         with self._cond:
             for name, entry in list(self._rows.items()):  # the wait below lets go
                 if entry[0] != slot or entry[1] == self.DONE or self._arrays is None:
                     continue
-                if entry[1] == self.PENDING:
+                if entry[1] == self.PENDING and self.on_overwrite == "copy":
                     view = self._arrays[name]
                     copy = BUFFERS.take(view.shape, view.dtype)
                     copy[...] = view
                     self._arrays[name] = copy
+                    self.copied += 1
                     entry[1] = self.DONE  # the ring no longer holds what is written
-                else:
-                    self._cond.wait_for(_done(entry))
+                    continue
+                if entry[1] == self.PENDING:
+                    self._wanted.append(name)
+                    self._cond.notify_all()
+                self._cond.wait_for(_done(entry))
+
+    def next_array(self, names: list[str]) -> str:
+        """The array of `names` (the writer's remaining ones, in its order) to write
+        next: a lent row the ring waits on, else the first."""
+        with self._cond:
+            for name in self._wanted:
+                if name in names:
+                    return name
+            return names[0]
+
+    def writer_done(self) -> None:
+        """The writer has stopped (its version written, or failed): nothing more is
+        read from the lent rows, so no ring waits for them."""
+        with self._cond:
+            for entry in self._rows.values():
+                entry[1] = self.DONE
+            self._wanted = []
+            self._cond.notify_all()
 
     def release(self) -> None:
         """The version is written (or failed): the ring writes freely again."""
@@ -289,6 +351,7 @@ class SharedRows:
             self._rows = {}
             self._arrays = None
             self._deferred = []
+            self._wanted = []
             self._cond.notify_all()
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from cocoon_ckpt.dp.accounting.accountant import Accountant
 from cocoon_ckpt.format.codec import encode
-from cocoon_ckpt.format.snapshot import BUFFERS, SharedRows, Snapshot
+from cocoon_ckpt.format.snapshot import BUFFERS, LentRowPolicy, SharedRows, Snapshot
 from cocoon_ckpt.records import NoiseRecord, RankShard
 from cocoon_ckpt.train.distributed import DistContext
 from cocoon_ckpt.train.job_records import check_job_records
@@ -131,9 +131,22 @@ class Checkpointer:
         store: an open store whose lease this process holds.
         async_write: write in a background thread while training goes on.
         keep_last: retention after each commit (>= 2).
+        lent_rows: what a step does when it must overwrite a ring row lent to the version
+            in flight (`format.snapshot.SharedRows`) that the writer has not written yet:
+            "copy" it out (one ring row of memory held until the version is written; the
+            step does not wait) or "wait": the writer writes that row next and the step
+            waits for it (no row is ever copied: for jobs that must stay within their
+            memory). The stored bytes are the same either way.
     """
 
-    def __init__(self, store: Store, *, async_write: bool = True, keep_last: int = 3) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        async_write: bool = True,
+        keep_last: int = 3,
+        lent_rows: LentRowPolicy = "copy",
+    ) -> None:
         self.store = store
         self.async_write = async_write
         self.keep_last = keep_last
@@ -155,7 +168,7 @@ class Checkpointer:
         self._inflight: concurrent.futures.Future[Manifest] | None = None
         self._writing: Snapshot | None = None  # the in-flight write's, recycled after
         # the ring rows a version being written reads from the live ring, not a copy
-        self._lent = SharedRows()
+        self._lent = SharedRows(on_overwrite=lent_rows)
         self._retaining: concurrent.futures.Future[None] | None = None
         self.last: Manifest | None = None
         self.bytes_written = 0
@@ -282,8 +295,12 @@ class Checkpointer:
         return manifest  # type: ignore[no-any-return]
 
     def _write(self, snap: Snapshot) -> Manifest:
-        hooks.point(ASYNC_FLUSH, step=snap.step)
-        return self._commit(self._begin(snap), snap)
+        try:
+            hooks.point(ASYNC_FLUSH, step=snap.step)
+            return self._commit(self._begin(snap), snap)
+        finally:
+            # written or failed: a step waiting on a lent row (lent_rows="wait") goes on
+            self._lent.writer_done()
 
     def _begin(self, snap: Snapshot) -> Transaction:
         """The next version, child of the last committed one."""
@@ -306,7 +323,10 @@ class Checkpointer:
         # paid for it at every checkpoint of versions retention mostly deletes unread.
         if acc is not None and acc.get("epsilon") is None and snap.records.get("complete"):
             epsilon = submit_or_run(self._accounting, Accountant.from_state_dict(acc).epsilon)
-        for name in self._write_order(snap):
+        order = self._write_order(snap)
+        while order:  # a lent row a step waits on goes next (lent_rows="wait")
+            name = self._lent.next_array(order)
+            order.remove(name)
             self._put(name, snap, txn.put_array)
         for name, meta in snap.references.items():
             txn.reference(name, meta)
@@ -341,16 +361,18 @@ class Checkpointer:
         return manifest
 
     def _write_order(self, snap: Snapshot) -> list[str]:
-        """Every array, lent ring rows first, the newest of them first. First: each row
-        written before the ring comes to its slot is a row never copied (at 85.9M, b = 4,
-        a write slower than the steps had the ring copy out two of three rows while the
-        model's copy was written ahead of them). Newest first: the ring overwrites its
-        oldest slot next, so the writer is the least likely to be in the row the ring
-        needs (a wait) rather than not yet at it (one row copied)."""
+        """Every array, lent ring rows first. First: each row written before the ring
+        comes to its slot is a row never copied nor waited for (at 85.9M, b = 4, a write
+        slower than the steps had the ring copy out two of three rows while the model's
+        copy was written ahead of them). The ring overwrites its oldest slot next. When
+        it copies, the newest row goes first, so the writer is the least likely to be in
+        the row the ring needs (a wait) rather than not yet at it (one row copied); when
+        it waits (lent_rows="wait"), the oldest goes first, the one it waits for first."""
         names = list(snap.arrays)
         rows = [n for n in names if self._lent.is_lent(n)]
         rest = [n for n in names if not self._lent.is_lent(n)]
-        return sorted(rows, key=self._lent.step_of, reverse=True) + rest
+        newest_first = self._lent.on_overwrite == "copy"
+        return sorted(rows, key=self._lent.step_of, reverse=newest_first) + rest
 
     def _put(self, name: str, snap: Snapshot, put: Any) -> None:
         """Write array `name` of `snap` with `put`; a lent ring row is claimed first
