@@ -4,9 +4,9 @@
 
 One trainer (the mlp example at ~`--dim` parameters), steps timed one by one:
 - first: the first step of a fresh trainer against the median steady step, and where
-  each spends its time (the wait for the trainer's warm-up, the clipped sum, the fresh
-  noise, the ring's GEMV and write, the noisy gradients, the optimizer; "rest" is the
-  step's own bookkeeping), and the build and first step together in steady steps;
+  each spends its time (the clipped sum, the fresh noise, the ring's GEMV and write, the
+  noisy gradients, the optimizer; "rest" is the step's own bookkeeping), and the build
+  and first step together in steady steps (the build waits for the kernels' warm-up);
 - per round, in an order that alternates round by round, the step right after
   - `plain`: nothing,
   - `snap`: a snapshot taken and dropped (its copies into fresh memory, no write),
@@ -75,7 +75,6 @@ class PhaseClock:
     (instance attributes shadow their methods; nothing they compute changes)."""
 
     PHASES = (
-        ("_warmed", "warm-up wait"),
         ("_clipped", "clipped sum"),
         ("noise.fresh_noise.fresh", "fresh noise"),
         ("noise.history.gemv", "ring GEMV"),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -171,10 +170,10 @@ class DPTrainer:
         self.noise_rng = as_noise_rng(config.noise_rng)
         noise_dtype = "float64" if self.grads.dtype == torch.float64 else "float32"
         # numba's start, the kernels' load and vmap's imports (`train.warm`), begun
-        # before the build's long C work (the ring's first touch: 28-36 s at 85.9M,
-        # b = 8) that leaves the GIL free for them; the first step waits for what is left
-        # (`_warmed`), so they never hold the GIL beside the user's model
-        self._warm_up: threading.Thread | None = warm_kernels(
+        # before the build's long C work (the ring's first touch: 12-36 s at 85.9M,
+        # b = 8) that leaves the GIL free for them; the build waits for what is left at
+        # its end, so they never hold the GIL beside the steps
+        warming = warm_kernels(
             noise_dtype,
             ziggurat=self.noise_rng is NoiseRng.DEFAULT,
             threads=torch.get_num_threads(),
@@ -259,6 +258,11 @@ class DPTrainer:
                 table_tiers,
                 dist,
             )
+        # what is left of the warm-up, before the trainer is handed back: beside a step
+        # its imports and kernel loads held the GIL, which the step's Python work waited
+        # for at each of its many short ops (a 25.8M transformer's first clipped sum
+        # 2.0-2.1 s against 0.45 s; 3.4x at 85.9M, where it began after the ring's touch)
+        warming.join()
 
     @property
     def done(self) -> bool:
@@ -278,18 +282,8 @@ class DPTrainer:
     def clipped_sum(self, idx: torch.Tensor) -> tuple[torch.Tensor, float]:
         """Sum of the per-sample gradients of examples `idx`, clipped to max_grad_norm,
         flattened to (dim,), and their mean loss."""
-        self._warmed()
         r = self._clipped(self.data.gather(idx))
         return r.summed, r.loss
-
-    def _warmed(self) -> None:
-        """Wait for the warm-up this trainer started (`train.warm`), once, before its
-        first step runs the user's model: beside that step its imports and kernel loads
-        held the GIL, which the step's Python work then waited for at each of its many
-        short ops (the first clipped sum of a 25.8M transformer 2.0-2.1 s against 0.45)."""
-        if self._warm_up is not None:
-            self._warm_up.join()
-            self._warm_up = None
 
     def _clipped(self, tensors: Sequence[torch.Tensor], into_grads: bool = False) -> ClippedSum:
         # forward, per-sample GEMMs, norms and sums (eager or replayed) at the job's count
@@ -337,7 +331,6 @@ class DPTrainer:
         """
         if self.done:
             raise RuntimeError(f"all {self.config.steps} steps are taken")
-        self._warmed()
         t = self.step_index
         if self.noise.t != t:
             raise RuntimeError(f"noise is at step {self.noise.t}, trainer at {t}: state is torn")

@@ -6,10 +6,10 @@ on-disk cache: on this VM the first step of an 8M-parameter job spent 1.5 s draw
 fresh noise and 1.0 s in its ring GEMV, against 0.08 s each in later steps (load 10,
 `bench/stall.py`). `warm_kernels` makes those first calls on small scratch arrays in a
 daemon thread when a trainer is built, so they overlap the build's long C work (the
-ring's first touch, which leaves the GIL free) and the caller's set-up. The trainer's
-first step waits for what is left before it runs the user's model: an import and a
-kernel load hold the GIL, and a step beside them waited for it at each of its many short
-ops (a 25.8M transformer's first clipped sum 2.0-2.1 s against 0.45 s joined first).
+ring's first touch, which leaves the GIL free); the build waits for what is left before
+it returns: an import and a kernel load hold the GIL, and a first step beside them
+waited for it at each of its many short ops (a 25.8M transformer's first clipped sum
+2.0-2.1 s against 0.45 s with the warm-up done first).
 Nothing they compute is kept or read: no result of the job depends on whether or when
 the warm-up ran. The kernels take a lock around their parallel launch, so a warm-up
 beside another trainer's call is safe.
