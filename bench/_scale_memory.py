@@ -334,6 +334,7 @@ def child(spec: dict[str, Any]) -> None:
                 "malloc": _mallinfo(),
                 "arenas": _arenas(),
                 "copied": ck._lent.copied,
+                "waited_s": ck._lent.waited_s,
             }
             ck_peak = max(ph.peak.values())
             peak_all = max(peak_all, ck_peak)
@@ -434,7 +435,8 @@ def _print_run(r: dict[str, Any], plain: dict[str, Any], alone: dict[str, Any]) 
             f"without: {peaks[False] / bound:.2f}, {statistics.median(walls[False]):.2f} s "
             f"({len(walls[False])}): in flight / not "
             f"{statistics.median(walls[True]) / statistics.median(walls[False]):.2f}; "
-            f"lent rows copied out: {r['steps'][-1]['copied']}"
+            f"lent rows copied out: {r['steps'][-1]['copied']}, the steps waited for the "
+            f"writer {r['steps'][-1]['waited_s']:.2f} s in all"
         )
     end = r["at_end"]
     m = end["malloc"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -177,6 +178,8 @@ class SharedRows:
         self.on_overwrite: LentRowPolicy = on_overwrite
         #: lent rows copied out before the ring overwrote them, over this object's life
         self.copied = 0
+        #: seconds the ring waited for the writer before overwriting a lent row, in all
+        self.waited_s = 0.0
         # names of lent rows the ring waits on and the writer has not begun: written next
         self._wanted: list[str] = []
         self._cond = threading.Condition()
@@ -320,7 +323,9 @@ class SharedRows:
                 if entry[1] == self.PENDING:
                     self._wanted.append(name)
                     self._cond.notify_all()
+                start = time.perf_counter()
                 self._cond.wait_for(_done(entry))
+                self.waited_s += time.perf_counter() - start
 
     def next_array(self, names: list[str]) -> str:
         """The array of `names` (the writer's remaining ones, in its order) to write
