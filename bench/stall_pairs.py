@@ -3,6 +3,7 @@ alternating pairs (#31: a target is met when the median of >= 6 alternating pair
 or below it), and what the training thread does with the extra wall time.
 
     python bench/stall_pairs.py [--dim 8000000] [--bands 8] [--every 4] [--pairs 6]
+        [--idle-writer] [--torch-threads N]
 
 bench/stall.py's job (the mlp example at ~`--dim` parameters) and its `async` case: a
 `Checkpointer` with the lowered writer, k = `--every`. Each pair is the step right after
@@ -15,7 +16,9 @@ figure. Every timed step is split by the kernel's own accounting of the training
 held by another thread, a lock, I/O); beside it the CPU the other threads of the process
 took during the step (the writer's, named apart), the machine's CPU time by kind and its
 huge-page, compaction and direct-reclaim counters over the step, and the dirty and
-writeback pages of the page cache when the step ends.
+writeback pages of the page cache when the step ends. `--idle-writer` adds a third step
+to each pair, in turn: after a checkpoint of a second checkpointer whose writer thread runs
+at SCHED_IDLE (a core only when no other thread wants it) instead of nice 10.
 """
 
 from __future__ import annotations
@@ -166,6 +169,11 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=6)
     p.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
     p.add_argument(
+        "--idle-writer",
+        action="store_true",
+        help="a third step in each pair: after a checkpoint whose writer thread is SCHED_IDLE",
+    )
+    p.add_argument(
         "--torch-threads", type=int, default=None, help="torch.set_num_threads (default: torch's)"
     )
     args = p.parse_args()
@@ -199,47 +207,63 @@ def run(args: argparse.Namespace, root: str) -> None:
         trainer.train_step()
     records: dict[str, object] = dict(job_records(cfg, trainer, bytes(32), None))
     records.setdefault("metrics", TrainingMetrics().to_record(0))
-    store = Store.open(os.path.join(root, "async.zarr"))
-    store.acquire_lease()
-    ck = Checkpointer(store, async_write=True, keep_last=2)
-    ratios: list[float] = []
-    cpu_ratios: list[float] = []
-    samples: dict[str, list[Sample]] = {"plain": [], "async": []}
+    modes = ["plain", "async"]
+    checkpointers: dict[str, Checkpointer] = {}
+    if args.idle_writer:
+        modes.append("async-idle")
+    for mode in modes[1:]:
+        store = Store.open(os.path.join(root, f"{mode}.zarr"))
+        store.acquire_lease()
+        checkpointers[mode] = ck = Checkpointer(store, async_write=True, keep_last=2)
+        if mode == "async-idle":  # its writer thread runs only on a core nothing else wants
+            idle = os.sched_param(0)
+            ck._bulk.submit(os.sched_setscheduler, 0, os.SCHED_IDLE, idle).result()
+    ratios: dict[str, list[float]] = {m: [] for m in modes[1:]}
+    cpu_ratios: dict[str, list[float]] = {m: [] for m in modes[1:]}
+    samples: dict[str, list[Sample]] = {m: [] for m in modes}
     for i in range(args.pairs):
         got: dict[str, Sample] = {}
-        for mode in ("plain", "async") if i % 2 == 0 else ("async", "plain"):
+        turn = modes[i % len(modes) :] + modes[: i % len(modes)]
+        saved: dict[str, float] = {}
+        for mode in turn:
             for _ in range(args.every - 1):  # the ring moves on as a job's would
                 trainer.train_step()
             writers: set[int] = set()
-            if mode == "async":
-                save = time.perf_counter()
-                ck.save(trainer, dict(records))
-                save = time.perf_counter() - save
+            if mode != "plain":
+                t = time.perf_counter()
+                checkpointers[mode].save(trainer, dict(records))
+                saved[mode] = time.perf_counter() - t
                 writers = {
                     t.native_id
                     for t in threading.enumerate()
                     if t.name.startswith("ckpt") and t.native_id is not None
                 }
             got[mode] = Sample(trainer.train_step, writers)
-            if mode == "async":
-                ck.wait()  # the next step of the pair starts with no write in flight
-        ratios.append(got["async"].wall / got["plain"].wall)
-        cpu_ratios.append(got["async"].cpu / got["plain"].cpu)
+            if mode != "plain":
+                checkpointers[mode].wait()  # the next step starts with no write in flight
+        for mode in modes[1:]:
+            ratios[mode].append(got[mode].wall / got["plain"].wall)
+            cpu_ratios[mode].append(got[mode].cpu / got["plain"].cpu)
         print(
-            f"pair {i} ({'plain first' if i % 2 == 0 else 'async first'}, load "
-            f"{os.getloadavg()[0]:.1f}): ratio {ratios[-1]:.2f} (training thread CPU "
-            f"{cpu_ratios[-1]:.2f}); save() {save * 1e3:.0f} ms"
+            f"pair {i} ({', '.join(turn)}; load {os.getloadavg()[0]:.1f}): "
+            + "; ".join(
+                f"{m} ÷ plain {ratios[m][-1]:.2f} (training thread CPU {cpu_ratios[m][-1]:.2f}, "
+                f"save() {saved[m] * 1e3:.0f} ms)"
+                for m in modes[1:]
+            )
         )
-        for mode in ("plain", "async"):
-            print(f"  {mode:<5} {got[mode].line()}")
+        for mode in modes:
+            print(f"  {mode:<10} {got[mode].line()}")
             samples[mode].append(got[mode])
-    ck.close()
-    print(
-        f"step after an async checkpoint ÷ after none, median of {args.pairs} alternating "
-        f"pairs: wall {statistics.median(ratios):.2f} (pairs "
-        + ", ".join(f"{r:.2f}" for r in ratios)
-        + f"); the training thread's CPU {statistics.median(cpu_ratios):.2f}"
-    )
+    for ck in checkpointers.values():
+        ck.close()
+    for mode in modes[1:]:
+        print(
+            f"step after {mode} ÷ after none, median of {args.pairs} alternating pairs: wall "
+            f"{statistics.median(ratios[mode]):.2f} (pairs "
+            + ", ".join(f"{r:.2f}" for r in ratios[mode])
+            + f"); the training thread's CPU {statistics.median(cpu_ratios[mode]):.2f}"
+        )
     for mode, ss in samples.items():
         med = {
             k: statistics.median(getattr(s, k) for s in ss) * 1e3
