@@ -33,9 +33,11 @@ KEEP_BYTES = 1 << 30
 #: them only once when memory allows: up to another `KEEP_BYTES` of them, and no more than
 #: `1 / SPARE_SHARE` of the memory available when `Version.verify` starts, are read whole,
 #: verified and held for one read (`Version.array` hands each over once and holds it no
-#: longer); the rest are checked by a streamed pass and read again when asked for. A hot
-#: restore of 1.28 GB (its last 320 MiB past `KEEP_BYTES`) ran 1.22x as fast as reading
-#: them twice (median of 6 alternating pairs, docs/benchmarks.md).
+#: longer); the rest are checked by a streamed pass and read again when asked for. At
+#: 42M (1.28 GB, the last 320 MiB past `KEEP_BYTES`) that saves reading and crc'ing 320
+#: MiB again; a hot restore measured 1.22 and 0.99 of reading them twice (medians of 6
+#: alternating pairs, 2 runs: within what fresh memory and the order decide,
+#: docs/benchmarks.md).
 SPARE_SHARE = 8
 
 #: Where its caller does not say which arrays it will read in pieces (`Version.verify`'s
