@@ -99,7 +99,7 @@ def test_the_step_in_the_slot_is_the_kept_buffers_step(
         for t in range(2 * (bands - 1) + extra):  # past the ring's wrap
             # the draw's blocks, and the fused pass's, on any number of threads
             torch.set_num_threads(threads)
-            numba.set_num_threads(threads)
+            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
             w = fused.step(out)
             torch.set_num_threads(1)
             want = kept.step(kept_out)
@@ -151,7 +151,8 @@ def test_the_function_is_bandmf_step_in_any_chunking(
     for t in range(steps):
         # another chunking every step, at most ~40 chunks (a test's time)
         chunk = max(chunks[t % len(chunks)], -(-width // 40))
-        numba.set_num_threads(threads)  # the fused pass's blocks on any number of threads
+        # the fused pass's blocks on any number of threads (numba's at most)
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         try:
             w = bandmf_step_in_slot(
                 mech, t, noise, start, rows, scratch=scratch, chunk=chunk, fused=fused
