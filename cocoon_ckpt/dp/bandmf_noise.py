@@ -74,15 +74,15 @@ class BandMFNoise:
     scratch, one parallel launch); below, numba's start-up would cost more than the
     step, and the step keeps a scratch of one part (`slot_part_width`)."""
 
-    slot_part_width = 1 << 22
+    slot_part_width = 1 << 25
     """The most coordinates a step in the ring slot computes at once where it is not
     fused (the secure generator, or a ring under `slot_fused_min_elements`): the width
     is cut in equal parts of whole noise blocks no wider, one after the other, and the
-    kept scratch is one part (16 MiB of float32; the secure draw's own arrays of 16
-    blocks are 20 MiB). Each part is a parallel launch of the GEMV, 5-8 ms on this
-    loaded 2-core machine (`cocoon_ckpt.dp._slot_kernel`): with the secure generator
-    at 8.4M coordinates (load 2.6) a step took 236 ms in one part, 239 in parts of
-    2^22 and 299 in parts of 2^20."""
+    kept scratch is one part (109 MiB of float32 at 85.9M parameters, 3 parts). Each
+    part is a parallel launch of the GEMV at least, 5-8 ms on this loaded 2-core
+    machine (`cocoon_ckpt.dp._slot_kernel`): with the secure generator at 85M
+    coordinates (load 1.5) a step took 850 ms in parts of 2^25 and 1,105 ms in parts of
+    2^22 (a 16 MiB scratch)."""
 
     def __init__(
         self,
