@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import socket
 
-__all__ = ["owner_alive", "process_start", "this_host"]
+__all__ = ["available_memory", "owner_alive", "process_start", "this_host"]
 
 
 def this_host() -> str:
@@ -55,3 +55,16 @@ def owner_alive(host: object, pid: object, start: object) -> bool | None:
     except PermissionError:
         pass  # another user's process: it runs
     return start is None or process_start(pid) == start  # a reused pid is another process
+
+
+def available_memory() -> int:
+    """Memory the kernel could give without swapping (/proc/meminfo's MemAvailable),
+    bytes; 0 where it does not say (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

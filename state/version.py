@@ -13,6 +13,7 @@ from .arrays import read_array, verify_array
 from .errors import CorruptVersionError, UnsafePathError
 from .manifest import ArrayMeta, Manifest
 from .paths import array_group, unsafe_path_reason
+from .process import available_memory
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -227,19 +228,6 @@ def _check_checksum(where: str, got: str, meta: ArrayMeta, version: int) -> None
             version=version,
             path=meta.path,
         )
-
-
-def available_memory() -> int:
-    """Memory the kernel could give without swapping (MemAvailable), bytes; 0 where it
-    does not say (then nothing past `KEEP_BYTES` is held)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def _nbytes(meta: ArrayMeta) -> int:

@@ -19,6 +19,7 @@ from cocoon_ckpt.tiers.far import FarTier
 from cocoon_ckpt.tiers.history import TieredHistory
 from cocoon_ckpt.tiers.host import HostTier
 from cocoon_ckpt.tiers.planner import Plan, capacity_units, plan_units, profile_tiers
+from state.process import available_memory
 
 __all__ = ["build_history", "free_host_bytes"]
 
@@ -26,15 +27,9 @@ log = logging.getLogger(__name__)
 
 
 def free_host_bytes() -> int:
-    """Host memory available now (MemAvailable), bytes."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    """Host memory available now (MemAvailable; where the kernel does not say, the free
+    physical pages), bytes."""
+    return available_memory() or int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 def _device_bytes(cfg: TierConfig) -> int:
