@@ -231,6 +231,15 @@ def add_parser(sub: Subparsers) -> None:
         help="write checkpoints in the foreground (default: background thread)",
     )
     p.add_argument(
+        "--lent-rows",
+        choices=["copy", "wait"],
+        default="copy",
+        help="when a step must overwrite a ring row the background checkpoint has not "
+        "written yet: copy it out (default; one row of memory, no wait) or wait for the "
+        "writer (no copy: for a job that must stay within its memory). The same bytes "
+        "are stored either way",
+    )
+    p.add_argument(
         "--lease-expiry",
         type=float,
         default=None,
@@ -325,6 +334,7 @@ def run(args: argparse.Namespace) -> int:
         takeover=args.takeover,
         allow=allow,
         on_precompute=None if progress is None else progress.on_precompute,
+        lent_rows=args.lent_rows,
     )
     try:
         result = run_job(

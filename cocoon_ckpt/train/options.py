@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cocoon_ckpt.errors import ConfigError
+from cocoon_ckpt.format.snapshot import LENT_ROW_POLICIES, LentRowPolicy
 from cocoon_ckpt.train.allowances import ResumeAllowances
 
 __all__ = ["JobOptions"]
@@ -28,6 +29,12 @@ class JobOptions:
             way to lift one.
         on_precompute: Called as (rows done, rows in all) while coalesced embedding noise
             is precomputed (a fresh start only; a resume loads it).
+        lent_rows: What a step does when it must overwrite a ring row that the checkpoint
+            being written has not written yet: "copy" it out (one ring row of memory
+            held until the version is written; the step does not wait) or "wait" for
+            the writer, which writes that row next (no row is ever copied: for jobs that
+            must stay within their memory). The stored bytes are the same either way
+            (`Checkpointer`'s `lent_rows`).
     """
 
     key_file: str | None = None
@@ -36,6 +43,7 @@ class JobOptions:
     takeover: bool = False
     allow: ResumeAllowances = ResumeAllowances()
     on_precompute: Callable[[int, int], None] | None = None
+    lent_rows: LentRowPolicy = "copy"
 
     def __post_init__(self) -> None:
         if self.key_file is not None and (not isinstance(self.key_file, str) or not self.key_file):
@@ -61,4 +69,10 @@ class JobOptions:
             raise ConfigError(
                 f"JobOptions.on_precompute={self.on_precompute!r} is not callable; pass a "
                 "function of (rows done, rows in all), or None"
+            )
+        if self.lent_rows not in LENT_ROW_POLICIES:
+            raise ConfigError(
+                f'JobOptions.lent_rows={self.lent_rows!r} is not a policy; pass "copy" '
+                '(a ring row copied out while a checkpoint is written) or "wait" (the '
+                "step waits for the writer instead)"
             )

@@ -119,7 +119,10 @@ def open_job(
         # every rank keeps its precompute tiles (on several, in a folder of its own)
         _precompute(job.trainer, job.store, records, options.on_precompute)
         ckpt = Checkpointer(
-            job.store, async_write=job.config.async_checkpoint, keep_last=job.config.keep_last
+            job.store,
+            async_write=job.config.async_checkpoint,
+            keep_last=job.config.keep_last,
+            lent_rows=options.lent_rows,
         )
         ckpt.set_parent(job.version.manifest if job.version is not None else None)
         session = JobSession(job, ckpt, records, preempt)
