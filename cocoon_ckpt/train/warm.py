@@ -40,7 +40,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from cocoon_ckpt.dp.default_noise import BLOCK, keyed_gaussians
+from cocoon_ckpt.dp.default_noise import BLOCK, block_seeds, keyed_gaussians
 from cocoon_ckpt.dp.elementwise import add_div_into, sub_div_
 from cocoon_ckpt.dp.gemv import COMPILED_MIN_ELEMENTS, mix_history
 
@@ -99,6 +99,16 @@ def _warm(dt: np.dtype[np.floating], ziggurat: bool, threads: int) -> None:
             # two blocks: above one thread the draws take the parallel kernel
             out = np.empty(2 * BLOCK, dtype=dt)
             keyed_gaussians(bytes(32), 0, 0, 2 * BLOCK, out, 1.0, threads, compiled=True)
+            # the fused step in the ring slot (a ring that is one host array, from
+            # COMPILED_MIN_ELEMENTS on; two blocks: the parallel kernel). Its first call
+            # alone took 0.35-0.37 s against 8 ms after (numba's threading layer started
+            # with it); after the kernels above, a 25.8M first step's noise and rest
+            # took 68-69 ms against 60-61 steady without this, 59-63 / 59-63 with it
+            from cocoon_ckpt.dp._slot_kernel import step_into_slot
+
+            ring = np.zeros((2, 2 * BLOCK), dtype=dt)
+            seeds = block_seeds(bytes(32), 0, 0, 2 * BLOCK)
+            step_into_slot(np.ones(2, dtype=dt), ring, 0, seeds, 0, 1.0, 1.0, BLOCK)
     except Exception as exc:  # a failed warm-up only leaves the first step its load
         log.debug("warming the compiled kernels failed: %s", exc)
 
