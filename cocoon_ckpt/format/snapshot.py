@@ -348,16 +348,13 @@ class SharedRows:
     def release(self) -> None:
         """The version is written (or failed): the ring writes freely again."""
         with self._cond:
-            for entry in self._rows.values():
-                entry[1] = self.DONE  # a ring waiting on one writes now
+            self.writer_done()  # a ring waiting on a row writes now
             for ring in self._rings:
                 ring.remove_write_guard(self.before_overwrite)
             self._rings = []
             self._rows = {}
             self._arrays = None
             self._deferred = []
-            self._wanted = []
-            self._cond.notify_all()
 
 
 def _done(entry: list[Any]) -> Callable[[], bool]:

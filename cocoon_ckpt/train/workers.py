@@ -193,22 +193,24 @@ class WorkerWatch:
         # sibling then exits 0 before this looks: naming the first by index named that
         # sibling (seen once under load, in test_preempt_group's SIGKILL test).
         exited = [(wid, w) for wid, w in enumerate(self._workers) if w.exitcode is not None]
-        exited.sort(key=lambda item: 0 if item[1].exitcode < 0 else 1 if item[1].exitcode else 2)
-        for wid, w in exited[:1]:
-            code = w.exitcode
-            how = (
-                f"was killed by {signal.Signals(-code).name}"
-                if code < 0 and -code in signal.valid_signals()
-                else f"exited with code {code}"
-            )
-            return DataWorkerError(
-                f"DataLoader worker {wid} (pid {w.pid}) {how} (step {self.step} was next)",
-                "if it ran out of memory, give the job more or fewer workers "
-                "(JobParts.num_workers); rerun the same command to resume",
-                pid=int(w.pid),
-                step=self.step,
-            )
-        return None
+        if not exited:
+            return None
+        wid, w = min(
+            exited, key=lambda item: 0 if item[1].exitcode < 0 else 1 if item[1].exitcode else 2
+        )
+        code = w.exitcode
+        how = (
+            f"was killed by {signal.Signals(-code).name}"
+            if code < 0 and -code in signal.valid_signals()
+            else f"exited with code {code}"
+        )
+        return DataWorkerError(
+            f"DataLoader worker {wid} (pid {w.pid}) {how} (step {self.step} was next)",
+            "if it ran out of memory, give the job more or fewer workers "
+            "(JobParts.num_workers); rerun the same command to resume",
+            pid=int(w.pid),
+            step=self.step,
+        )
 
     def _expire(self) -> None:
         """The watchdog: the step waited `timeout_s`; the worker named, all killed (the
