@@ -18,7 +18,7 @@ exact Box-Muller), for which docs/threat-models.md says what each protects again
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -378,13 +378,10 @@ def bandmf_step_in_slot(
     if fused:
         from cocoon_ckpt.dp._slot_kernel import step_into_slot
 
-        lo, stop = start, start + width
-        while lo < stop:
-            hi = min(stop, (lo // chunk + 1) * chunk)
+        for lo, hi in _chunks(start, start + width, chunk):
             seeds = fresh_noise.block_seeds(t, lo, hi)
             ring = rows[:, lo - start : hi - start]
             step_into_slot(m, ring, t % slots, seeds, lo % BLOCK, fresh_noise.std, c0, BLOCK)
-            lo = hi
         return w
     if scratch is None:
         scratch = np.empty(min(chunk, width), dtype=dt)
@@ -393,13 +390,18 @@ def bandmf_step_in_slot(
             f"bandmf_step_in_slot: scratch is {scratch.dtype}{scratch.shape}; the step "
             f"needs at least {min(chunk, width)} {dt} elements"
         )
-    lo, stop = start, start + width
-    while lo < stop:
-        hi = min(stop, (lo // chunk + 1) * chunk)
+    for lo, hi in _chunks(start, start + width, chunk):
         a, b = lo - start, hi - start
         h = scratch[: b - a]
         mix_history(m, rows[:, a:b], h, compiled=compiled)
         z = fresh_noise.fresh(t, lo, hi, out=w[a:b])
         sub_div_(z, h, c0, compiled=compiled)
-        lo = hi
     return w
+
+
+def _chunks(lo: int, stop: int, chunk: int) -> Iterator[tuple[int, int]]:
+    """[lo, stop) cut at the multiples of `chunk` (in the key's coordinates), in order."""
+    while lo < stop:
+        hi = min(stop, (lo // chunk + 1) * chunk)
+        yield lo, hi
+        lo = hi
