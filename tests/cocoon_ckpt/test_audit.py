@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import tempfile
-import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -325,14 +324,15 @@ def test_forged_label_or_shape_is_found_before_any_work(
 
     _edit_manifests(store, edit, only=_newest(store))
     tracemalloc.start()
-    t0 = time.perf_counter()
     report = audit_store(str(store), coordinates=64, seed=0)
-    elapsed = time.perf_counter() - t0
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     found = _findings(report, "bounds")
     assert found and ("outside [13, 16)" in found[0] if forge == "label" else "allows" in found[0])
-    assert elapsed < 5 and peak < 64 << 20, (elapsed, peak)
+    # no work past the job's own steps (not a clock bound: the suite runs on busy
+    # machines), nothing of the forged size allocated
+    steps = json.loads(_manifests(store)[0].read_text())["records"]["config"]["dp"]["steps"]
+    assert report.checks["noise"]["steps_regenerated"] <= steps and peak < 64 << 20, peak
     assert report.checks["noise"]["slots"] > 0  # the other versions' slots still checked
     assert main(["audit", str(store), "--coordinates", "8", "--seed", "0"]) == 1
     assert "FINDING [bounds]" in capsys.readouterr().out
