@@ -35,6 +35,7 @@ __all__ = [
     "ZARR_DATA_TYPES",
     "array_metadata",
     "chunk_key",
+    "core_dtype",
     "default_dimension_names",
     "read_array",
     "verify_array",
@@ -262,6 +263,7 @@ def read_array(
     name: str,
     layout: tuple[tuple[int, ...], str, tuple[int, ...]] | None = None,
     separator: str = "/",
+    out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, str]:
     """Read array `<group>/<name>`, checking every chunk's crc32c.
 
@@ -271,14 +273,33 @@ def read_array(
             small random read per array).
         separator: the chunk key separator the manifest recorded, with `layout` (without
             it, zarr.json's).
+        out: a C-contiguous array of `layout`'s shape and dtype to read into (with
+            `layout` only), instead of one allocated here. `Version.verify` reads on a
+            thread pool and allocates on its own thread: glibc serves a pool thread's
+            large allocation from a fresh mapping (its arena's heaps hold 64 MiB at
+            most), so memory the process freed and malloc kept was never reused and
+            every page of a restore faulted in again (docs/benchmarks.md).
 
     Returns:
-        The array and the `crc32c:` checksum of its C-order bytes.
+        The array (`out` if given) and the `crc32c:` checksum of its C-order bytes.
 
     Raises:
         FileNotFoundError: the array or one of its chunks is missing.
-        ValueError: a chunk is torn or fails its crc32c.
+        ValueError: a chunk is torn or fails its crc32c; `out` is given without
+            `layout`, or does not match it.
     """
+    if out is not None and (
+        layout is None
+        or tuple(out.shape) != tuple(layout[0])
+        or out.dtype != np.dtype(layout[1])
+        or not out.flags.c_contiguous
+        or not out.flags.writeable
+    ):
+        raise ValueError(
+            f"array {group}/{name}: out must be a writeable C-contiguous array of the "
+            f"layout's shape and dtype, given with it; got {out.dtype}{list(out.shape)} "
+            f"for layout {layout!r}"
+        )
     direct = _direct_layout(backend, group, name, layout, separator)
     if direct is None:
         if backend.local:  # zarr opens its chunks plainly: a FIFO among them would block
@@ -286,7 +307,8 @@ def read_array(
         out = np.asarray(zarr.open_array(backend.zarr_store(group), path=name, mode="r")[...])
         return out, array_checksum(out)
     shape, dtype, chunks, separator = direct
-    out = np.empty(shape, dtype=dtype)
+    if out is None:
+        out = np.empty(shape, dtype=dtype)
     array_crc = _scan(backend, f"{group}/{name}", shape, dtype, chunks, separator, out, None)
     return out, f"crc32c:{array_crc:08x}"
 
@@ -334,11 +356,28 @@ def _direct_layout(
     separator: str,
 ) -> tuple[tuple[int, ...], np.dtype[Any], tuple[int, ...], str] | None:
     """(shape, dtype, chunks, separator) of an array this module's direct path reads,
-    or None for one zarr must read (other codecs, another chunk grid)."""
+    or None for one zarr must read (other codecs, another chunk grid).
+
+    The direct path reads raw bytes into the array, which for an `object` array would
+    be pointers: only the zarr v3 core data types (`ZARR_DATA_TYPES`, spelled as this
+    module writes them) are read by it; zarr.json naming another goes to zarr, which
+    decodes what it knows and refuses the rest.
+
+    Raises:
+        ValueError: `layout` names a dtype that is not a core data type.
+    """
     if layout is not None:
-        return layout[0], np.dtype(layout[1]), layout[2], separator
+        dtype = core_dtype(layout[1])
+        if dtype is None:
+            raise ValueError(
+                f"array {group}/{name}: dtype {layout[1]!r} is not a zarr v3 core data "
+                f"type ({', '.join(sorted(ZARR_DATA_TYPES))}): its metadata is damaged"
+            )
+        return layout[0], dtype, layout[2], separator
     meta = json.loads(backend.read_bytes(f"{group}/{name}/zarr.json"))
-    dtype = np.dtype(meta["data_type"])
+    dtype = core_dtype(meta["data_type"])
+    if dtype is None:
+        return None
     shape = tuple(int(s) for s in meta["shape"])
     chunks = tuple(int(c) for c in meta["chunk_grid"]["configuration"]["chunk_shape"])
     encoding = meta.get("chunk_key_encoding")
@@ -351,6 +390,16 @@ def _direct_layout(
         and tuple(chunks[1:]) == tuple(max(s, 1) for s in shape[1:])
     )
     return (shape, dtype, chunks, str(stored)) if direct else None
+
+
+def core_dtype(spelled: object) -> np.dtype[Any] | None:
+    """The numpy dtype of a zarr v3 core data type spelled as this module writes it
+    (`float32`, the name in a manifest and in zarr.json), or None for anything else."""
+    try:
+        dtype = np.dtype(str(spelled))
+    except (TypeError, ValueError, SyntaxError):  # what numpy raises for a bad spelling
+        return None
+    return dtype if dtype.name in ZARR_DATA_TYPES and dtype.name == spelled else None
 
 
 def _scan(

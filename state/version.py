@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .arrays import read_array, verify_array
+from .arrays import core_dtype, read_array, verify_array
 from .errors import CorruptVersionError, UnsafePathError
 from .manifest import ArrayMeta, Manifest
 from .paths import array_group, unsafe_path_reason
@@ -94,8 +94,12 @@ class Version:
             lent = self._lent.pop(name, None)
         if lent is not None:
             return lent
-        meta = self.manifest.arrays[name]
-        arr = read_verified(self.store, self.version, name, meta)
+        return self._load(name, None)
+
+    def _load(self, name: str, out: np.ndarray | None) -> np.ndarray:
+        """Read array `name` (into `out` if given), verified, and keep it if
+        `KEEP_BYTES` holds it."""
+        arr = read_verified(self.store, self.version, name, self.manifest.arrays[name], out)
         with self._lock:
             if name not in self._cache and self._kept + arr.nbytes <= KEEP_BYTES:
                 self._cache[name] = arr
@@ -114,7 +118,11 @@ class Version:
         (`verify_streamed`), the same checks with the same verdicts, and read whole only
         if `array` is asked for them. Arrays are checked by a few threads at once: file
         reads and crc32c release the GIL, and a cold restore is bound by read latency,
-        which overlapping hides.
+        which overlapping hides. The arrays read whole are allocated here, on the
+        caller's thread, once the plan has bounded them: allocated on a pool thread, a
+        large array comes from a fresh mapping (glibc's thread arenas grow by 64 MiB
+        heaps at most), never from memory the process freed before, and each of its
+        pages faults in again (`state.arrays.read_array`'s `out`).
         """
         names = self.array_names()
         planned = self._kept
@@ -135,27 +143,38 @@ class Version:
                 lent.add(n)
             else:
                 streamed.add(n)
+        todo = [n for n in names if n not in self._cache and n not in self._lent]
+        into = {n: _buffer(self.manifest.arrays[n]) for n in todo if n not in streamed}
         with concurrent.futures.ThreadPoolExecutor(max_workers=_READ_THREADS) as pool:
-            futures = [pool.submit(self._check, n, n in streamed, n in lent) for n in names]
+            futures = [
+                pool.submit(self._check, n, n in streamed, n in lent, into.get(n)) for n in todo
+            ]
         for fut in futures:
             fut.result()
 
-    def _check(self, name: str, stream: bool, lend: bool) -> None:
+    def _check(self, name: str, stream: bool, lend: bool, out: np.ndarray | None) -> None:
+        """Verify array `name`: by a streamed pass (`stream`; whole where only zarr reads
+        it), or read whole (into `out` if given) and kept or, with `lend`, held for one
+        read."""
+        meta = self.manifest.arrays[name]
         if lend:
-            arr = read_verified(self.store, self.version, name, self.manifest.arrays[name])
+            arr = read_verified(self.store, self.version, name, meta, out)
             with self._lock:
                 self._lent[name] = arr
-        elif not stream or not verify_streamed(
-            self.store, self.version, name, self.manifest.arrays[name]
-        ):
-            self.array(name)
+        elif not stream or not verify_streamed(self.store, self.version, name, meta):
+            self._load(name, out)
 
     def __repr__(self) -> str:
         return f"Version({self.version}, step={self.step}, arrays={len(self.manifest.arrays)})"
 
 
-def read_verified(store: Store, version: int, name: str, meta: ArrayMeta) -> np.ndarray:
+def read_verified(
+    store: Store, version: int, name: str, meta: ArrayMeta, out: np.ndarray | None = None
+) -> np.ndarray:
     """Array `name` of version `version` as `meta` describes it, confined and verified.
+
+    Args:
+        out: the array to read it into (`_buffer(meta)`), or None to allocate one here.
 
     Raises:
         UnsafePathError: `meta.path` leaves the store.
@@ -168,7 +187,7 @@ def read_verified(store: Store, version: int, name: str, meta: ArrayMeta) -> np.
     try:
         layout = None if meta.chunks is None else (meta.shape, meta.dtype, meta.chunks)
         arr, got = store.retry.call(
-            lambda: read_array(store.backend, group, sub, layout, meta.separator)
+            lambda: read_array(store.backend, group, sub, layout, meta.separator, out)
         )
     except Exception as exc:  # zarr raises many kinds for a missing/torn chunk
         raise CorruptVersionError(
@@ -228,6 +247,20 @@ def _check_checksum(where: str, got: str, meta: ArrayMeta, version: int) -> None
             version=version,
             path=meta.path,
         )
+
+
+def _buffer(meta: ArrayMeta) -> np.ndarray | None:
+    """An uninitialised array to read array `meta` into, or None where its read
+    allocates its own: no chunk shape recorded (zarr.json decides how it is read), or a
+    dtype that is not one of the zarr v3 core types or a shape numpy refuses (reading
+    it reports either)."""
+    dtype = core_dtype(meta.dtype)
+    if meta.chunks is None or dtype is None:
+        return None
+    try:
+        return np.empty(meta.shape, dtype=dtype)
+    except ValueError:  # a negative or absurd shape: reading it reports it
+        return None
 
 
 def _nbytes(meta: ArrayMeta) -> int:
