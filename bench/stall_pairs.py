@@ -3,7 +3,8 @@ alternating pairs (#31: a target is met when the median of >= 6 alternating pair
 or below it), and what the training thread does with the extra wall time.
 
     python bench/stall_pairs.py [--dim 8000000] [--bands 8] [--every 4] [--pairs 6]
-        [--idle-writer] [--torch-threads N]
+        [--idle-writer] [--nice-writer] [--paced-writer] [--cadence N]
+        [--torch-threads N]
 
 bench/stall.py's job (the mlp example at ~`--dim` parameters) and its `async` case: a
 `Checkpointer` with the lowered writer, k = `--every`. Each pair is the step right after
@@ -19,6 +20,14 @@ huge-page, compaction and direct-reclaim counters over the step, and the dirty a
 writeback pages of the page cache when the step ends. `--idle-writer` adds a third step
 to each pair, in turn: after a checkpoint of a second checkpointer whose writer thread runs
 at SCHED_IDLE (a core only when no other thread wants it) instead of nice 10.
+`async` is the library's default writer (SCHED_IDLE, large files by O_DIRECT);
+`--nice-writer` adds a step after a checkpoint whose writer runs at nice 10
+(`checkpoint.BULK_IDLE = False`), `--paced-writer` one after a checkpoint written through
+the page cache (the paced writer, `state.local_backend.DIRECT_BYTES = 0`) at nice 10: the
+tree before O_DIRECT. The writer's CPU is its thread's and the background fsyncs'
+(`state-fsync`). `--cadence N` then runs each writer in turn as a job would, N
+checkpoints every k steps, and counts the `save()`s that found the last version still
+in flight.
 """
 
 from __future__ import annotations
@@ -33,11 +42,14 @@ import time
 
 from cocoon_ckpt import DPConfig, JobConfig
 from cocoon_ckpt.format.metrics import TrainingMetrics
+from cocoon_ckpt.train import checkpoint
 from cocoon_ckpt.train.checkpoint import Checkpointer
 from cocoon_ckpt.train.job_records import job_records
 from cocoon_ckpt.train.runner import build_trainer
-from state import Store
+from state import Store, local_backend
 
+DIRECT = local_backend.DIRECT_BYTES
+BULK_IDLE = checkpoint.BULK_IDLE
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -125,7 +137,7 @@ class Sample:
     """One timed step: wall, and the training thread's CPU, run-queue wait, sleep and
     page faults."""
 
-    def __init__(self, step: object, writer_ids: set[int]) -> None:
+    def __init__(self, step: object, writing: bool) -> None:
         me = threading.get_native_id()
         before_cpu = threads_cpu()
         on0, wait0 = schedstat(me)
@@ -143,6 +155,12 @@ class Sample:
         self.cpu, self.runnable = on1 - on0, wait1 - wait0
         self.asleep = max(0.0, self.wall - self.cpu - self.runnable)
         spent = {k: v - before_cpu.get(k, 0.0) for k, v in after_cpu.items() if k != me}
+        # named after the step: the fsync pool's threads start with its first file
+        writer_ids = {
+            t.native_id
+            for t in threading.enumerate()
+            if writing and t.name.startswith(("ckpt", "state-fsync")) and t.native_id is not None
+        }
         self.writer = sum(v for k, v in spent.items() if k in writer_ids)
         self.others = sum(v for k, v in spent.items() if k not in writer_ids)
         self.dirty, self.writeback = dirty_pages()
@@ -172,6 +190,23 @@ def main() -> None:
         "--idle-writer",
         action="store_true",
         help="a third step in each pair: after a checkpoint whose writer thread is SCHED_IDLE",
+    )
+    p.add_argument(
+        "--nice-writer",
+        action="store_true",
+        help="a step in each pair after a checkpoint whose writer thread runs at nice 10",
+    )
+    p.add_argument(
+        "--paced-writer",
+        action="store_true",
+        help="a step in each pair after a checkpoint written through the page cache (paced) "
+        "by a writer at nice 10",
+    )
+    p.add_argument(
+        "--cadence",
+        type=int,
+        default=0,
+        help="after the pairs: this many checkpoints every k steps per writer, twice, in turns",
     )
     p.add_argument(
         "--torch-threads", type=int, default=None, help="torch.set_num_threads (default: torch's)"
@@ -211,13 +246,16 @@ def run(args: argparse.Namespace, root: str) -> None:
     checkpointers: dict[str, Checkpointer] = {}
     if args.idle_writer:
         modes.append("async-idle")
+    if args.nice_writer:
+        modes.append("async-nice10")
+    if args.paced_writer:
+        modes.append("async-paced")
     for mode in modes[1:]:
         store = Store.open(os.path.join(root, f"{mode}.zarr"))
         store.acquire_lease()
+        checkpoint.BULK_IDLE = BULK_IDLE if mode == "async" else mode == "async-idle"
         checkpointers[mode] = ck = Checkpointer(store, async_write=True, keep_last=2)
-        if mode == "async-idle":  # its writer thread runs only on a core nothing else wants
-            idle = os.sched_param(0)
-            ck._bulk.submit(os.sched_setscheduler, 0, os.SCHED_IDLE, idle).result()
+        checkpoint.BULK_IDLE = BULK_IDLE
     ratios: dict[str, list[float]] = {m: [] for m in modes[1:]}
     cpu_ratios: dict[str, list[float]] = {m: [] for m in modes[1:]}
     samples: dict[str, list[Sample]] = {m: [] for m in modes}
@@ -228,19 +266,15 @@ def run(args: argparse.Namespace, root: str) -> None:
         for mode in turn:
             for _ in range(args.every - 1):  # the ring moves on as a job's would
                 trainer.train_step()
-            writers: set[int] = set()
+            local_backend.DIRECT_BYTES = 0 if mode == "async-paced" else DIRECT
             if mode != "plain":
                 t = time.perf_counter()
                 checkpointers[mode].save(trainer, dict(records))
                 saved[mode] = time.perf_counter() - t
-                writers = {
-                    t.native_id
-                    for t in threading.enumerate()
-                    if t.name.startswith("ckpt") and t.native_id is not None
-                }
-            got[mode] = Sample(trainer.train_step, writers)
+            got[mode] = Sample(trainer.train_step, mode != "plain")
             if mode != "plain":
                 checkpointers[mode].wait()  # the next step starts with no write in flight
+            local_backend.DIRECT_BYTES = DIRECT
         for mode in modes[1:]:
             ratios[mode].append(got[mode].wall / got["plain"].wall)
             cpu_ratios[mode].append(got[mode].cpu / got["plain"].cpu)
@@ -255,6 +289,8 @@ def run(args: argparse.Namespace, root: str) -> None:
         for mode in modes:
             print(f"  {mode:<10} {got[mode].line()}")
             samples[mode].append(got[mode])
+    if args.cadence:
+        cadence(args, trainer, records, checkpointers)
     for ck in checkpointers.values():
         ck.close()
     for mode in modes[1:]:
@@ -279,6 +315,43 @@ def run(args: argparse.Namespace, root: str) -> None:
         )
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
     trainer.close()
+
+
+def cadence(
+    args: argparse.Namespace,
+    trainer: object,
+    records: dict[str, object],
+    checkpointers: dict[str, Checkpointer],
+) -> None:
+    """A job's rhythm: per writer, in turns over 2 rounds, `--cadence` checkpoints every
+    k steps with nothing waited for between them; how many `save()`s found the last
+    version still in flight, and how long `save()` took (its wait for that version)."""
+    found: dict[str, int] = dict.fromkeys(checkpointers, 0)
+    waits: dict[str, list[float]] = {m: [] for m in checkpointers}
+    steps: dict[str, list[float]] = {m: [] for m in checkpointers}
+    names = list(checkpointers)
+    for r in range(2):
+        for mode in names[r % len(names) :] + names[: r % len(names)]:
+            ck = checkpointers[mode]
+            local_backend.DIRECT_BYTES = 0 if mode == "async-paced" else DIRECT
+            for _ in range(args.cadence):
+                for _ in range(args.every):
+                    t = time.perf_counter()
+                    trainer.train_step()  # type: ignore[attr-defined]
+                    steps[mode].append(time.perf_counter() - t)
+                found[mode] += ck.in_flight
+                t = time.perf_counter()
+                ck.save(trainer, dict(records))  # type: ignore[arg-type]
+                waits[mode].append(time.perf_counter() - t)
+            ck.wait()  # the next writer starts with nothing in flight (not counted)
+            local_backend.DIRECT_BYTES = DIRECT
+    for mode in names:
+        print(
+            f"cadence, {mode}: {found[mode]} of {len(waits[mode])} save()s found the last "
+            f"version in flight; save() median {statistics.median(waits[mode]) * 1e3:.0f} ms, "
+            f"max {max(waits[mode]) * 1e3:.0f} ms, sum {sum(waits[mode]):.2f} s; step median "
+            f"{statistics.median(steps[mode]) * 1e3:.0f} ms over {len(steps[mode])} steps"
+        )
 
 
 if __name__ == "__main__":

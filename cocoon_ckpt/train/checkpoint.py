@@ -72,6 +72,19 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
+def _idle_priority() -> None:
+    """`_lower_priority`, then SCHED_IDLE where the system has one (Linux: this thread
+    gets a core only when no other thread wants it, and never preempts one); what is
+    computed is unaffected."""
+    _lower_priority()
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
+#: A large version's writer runs at SCHED_IDLE (`_idle_priority`); False: at nice 10.
+BULK_IDLE = True
+
+
 #: The interpreter's thread switch interval while a job writes in the background.
 WRITER_SWITCH_INTERVAL = 0.0005
 
@@ -104,8 +117,10 @@ def writer_handoff() -> Iterator[None]:
 BULK_BYTES = 32 << 20
 
 
-def _background(name: str, *, lowered: bool) -> concurrent.futures.ThreadPoolExecutor:
-    """One worker thread named `name`, at nice 10 if `lowered`.
+def _background(
+    name: str, *, lowered: bool, idle: bool = False
+) -> concurrent.futures.ThreadPoolExecutor:
+    """One worker thread named `name`, at nice 10 if `lowered`, at SCHED_IDLE if `idle`.
 
     The writer and retention are not lowered: their work is ~100 short syscalls a
     version, and at nice 10 each wake-up waited behind the training threads, so the
@@ -118,9 +133,21 @@ def _background(name: str, *, lowered: bool) -> concurrent.futures.ThreadPoolExe
     core from the training threads: the step after an asynchronous checkpoint of an
     8M-parameter job (160 MB a version) was 1.83x a step after none, 1.19x with the
     writer at nice 10 (4 alternating rounds, load 8, `bench/stall.py`), and the write
-    took no longer (3.9 s against 4.3 s to commit)."""
+    took no longer (3.9 s against 4.3 s to commit).
+
+    With the large files written by O_DIRECT (`state.local_backend.DIRECT_BYTES`) the
+    writer's own work is a copy and a crc in C that release the GIL, so it no longer
+    holds the GIL long enough to stall the training thread from a core it cannot get,
+    and it runs at SCHED_IDLE (`BULK_IDLE`): on what the training threads leave idle.
+    At 8M the step after an asynchronous checkpoint was 0.80-1.26x a step after none
+    (medians of 8 alternating pairs, 4 runs, load 1.5-5.6) against 1.00-1.42x at nice 10
+    (5 runs), the training thread's own CPU 0.92-0.98x against 1.22-1.32x, asleep at
+    most 32 ms; 2 of 32 checkpoints found the last one still in flight (the longest
+    wait 188 ms, at load 5.6) against 0 of 32 at nice 10 and 1 of 24 for the paced
+    writer at nice 10 before (`bench/stall_pairs.py`, docs/benchmarks.md)."""
+    init = _idle_priority if idle else _lower_priority if lowered else None
     return concurrent.futures.ThreadPoolExecutor(
-        max_workers=1, thread_name_prefix=name, initializer=_lower_priority if lowered else None
+        max_workers=1, thread_name_prefix=name, initializer=init
     )
 
 
@@ -154,7 +181,7 @@ class Checkpointer:
         # Linux lets a thread raise its nice but not lower it back, so a large version
         # goes to a writer thread of its own, lowered once; at most one write is in
         # flight, so versions are still written in order.
-        self._bulk = _background("ckpt-bulk", lowered=True)
+        self._bulk = _background("ckpt-bulk", lowered=True, idle=BULK_IDLE)
         # The epsilon of a new round count is CPU work (FFTs, tens of ms) and the array
         # writes mostly wait on the disk: composed on its own thread, the two overlap.
         self._accounting = _background("ckpt-epsilon", lowered=True)
