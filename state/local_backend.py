@@ -450,8 +450,9 @@ def _write_buffered(
 #: the host: free page reporting), copying into it, and writing it back from kworkers,
 #: all on the 2 cores the training step needs; a direct write copies once into memory
 #: it reuses and the disk reads it by DMA. In the step beside an 8M job's 160 MB
-#: version the writer's CPU (its fsyncs included) fell from 150-170 ms (medians, paced)
-#: to 80-85 ms, the machine's system time from 700-1,235 to 540-1,000 ms (same runs).
+#: version, writer at nice 10, the writer's CPU (its fsyncs included) fell from 150-590
+#: ms (medians, paced) to 60-85 ms, the machine's system time from 700-1,235 to
+#: 435-1,000 ms (5 runs, each with both writers in turns).
 #: The bytes on disk and the fsync of every file before the manifest are the same; the
 #: padding past a file's end is zeros, cut off (no other file's bytes reach the disk).
 DIRECT_BYTES = 8 << 20

@@ -141,8 +141,8 @@ def _background(
     and it runs at SCHED_IDLE (`BULK_IDLE`): on what the training threads leave idle.
     At 8M the step after an asynchronous checkpoint was 0.80-1.26x a step after none
     (medians of 8 alternating pairs, 4 runs, load 1.5-5.6) against 1.00-1.42x at nice 10
-    (5 runs), the training thread's own CPU 0.92-0.98x against 1.22-1.32x, asleep at
-    most 32 ms; 2 of 32 checkpoints found the last one still in flight (the longest
+    (5 runs), the writer's CPU in that step 20-35 ms against 60-85 (medians), the
+    training thread asleep at most 32 ms; 2 of 32 checkpoints found the last one still in flight (the longest
     wait 188 ms, at load 5.6) against 0 of 32 at nice 10 and 1 of 24 for the paced
     writer at nice 10 before (`bench/stall_pairs.py`, docs/benchmarks.md)."""
     init = _idle_priority if idle else _lower_priority if lowered else None
