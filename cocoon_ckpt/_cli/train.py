@@ -233,11 +233,11 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument(
         "--lent-rows",
         choices=["copy", "wait"],
-        default="copy",
+        default="wait",
         help="when a step must overwrite a ring row the background checkpoint has not "
-        "written yet: copy it out (default; one row of memory, no wait) or wait for the "
-        "writer (no copy: for a job that must stay within its memory). The same bytes "
-        "are stored either way",
+        "written yet: wait for the writer, which writes it next (default; no copy "
+        "unless the writer has not begun it within 2 s) or copy it out (one row of "
+        "memory, no wait for the disk). The same bytes are stored either way",
     )
     p.add_argument(
         "--lease-expiry",

@@ -25,6 +25,7 @@ __all__ = [
     "BUFFERS",
     "Encoded",
     "LENT_ROW_POLICIES",
+    "LENT_ROW_WAIT_S",
     "LentRowPolicy",
     "SharedRows",
     "SharingRing",
@@ -41,6 +42,14 @@ R = TypeVar("R")
 #: (`SharedRows`, `Checkpointer(lent_rows=...)`): copy it out, or wait for the writer.
 LentRowPolicy = Literal["copy", "wait"]
 LENT_ROW_POLICIES: tuple[LentRowPolicy, ...] = get_args(LentRowPolicy)
+
+#: How long a `Checkpointer`'s step waits (lent_rows="wait") for the writer to begin a
+#: lent row it must overwrite before it copies the row out instead (seconds). The writer
+#: begins it once the array it is in is written: at most one ring row (328 MiB at
+#: 85.9M parameters, 1.1-2.3 s at the 143-300 MB/s the paced writer reached here), so
+#: only a disk slower than that makes a step copy; a stalled one costs a step this
+#: long, not as long as the disk takes.
+LENT_ROW_WAIT_S = 2.0
 
 
 class SnapshotBuffers:
@@ -139,8 +148,10 @@ class SharedRows:
     `on_overwrite="wait"` (`LENT_ROW_POLICIES`) is the memory-first choice: a row the
     ring must overwrite before the writer has begun it is not copied; the writer is told
     to write it next (`next_array`) and the ring waits until it has. The step stalls
-    for the rest of the array the writer is in and that row; no row is ever copied
-    (`copied` stays 0). The writer calls `writer_done` when it stops, written or
+    for the rest of the array the writer is in and that row; no row is copied (`copied`
+    stays 0) unless the writer has not begun it within `max_wait_s`, when it is copied
+    out as "copy" does, so a slow or stalled disk costs a step at most that long before
+    the row's own write. The writer calls `writer_done` when it stops, written or
     failed, so no ring waits for a writer that is gone.
 
     Only the rows of a version being written are lent (each `Checkpointer` has its own
@@ -160,22 +171,31 @@ class SharedRows:
 
     PENDING, WRITING, DONE = 0, 1, 2
 
-    def __init__(self, *, on_overwrite: LentRowPolicy = "copy") -> None:
+    def __init__(
+        self, *, on_overwrite: LentRowPolicy = "copy", max_wait_s: float | None = None
+    ) -> None:
         """
         Args:
             on_overwrite: what the ring does before overwriting a lent row the writer
                 has not begun: "copy" it out (one row's memory, no stall) or "wait" for
                 the writer to write it next (no memory, the step stalls).
+            max_wait_s: with "wait", the longest the ring waits for the writer to
+                begin the row before it copies the row out as "copy" does (None: as
+                long as it takes). Once the writer is in the row the ring waits for
+                its end, as "copy" does too.
 
         Raises:
-            ValueError: `on_overwrite` is neither.
+            ValueError: `on_overwrite` is neither, or `max_wait_s` is negative.
         """
         if on_overwrite not in LENT_ROW_POLICIES:
             raise ValueError(
                 f"on_overwrite={on_overwrite!r}: must be one of "
                 f"{', '.join(map(repr, LENT_ROW_POLICIES))}"
             )
+        if max_wait_s is not None and not max_wait_s >= 0:
+            raise ValueError(f"max_wait_s={max_wait_s!r}: must be >= 0 seconds, or None")
         self.on_overwrite: LentRowPolicy = on_overwrite
+        self.max_wait_s = max_wait_s
         #: lent rows copied out before the ring overwrote them, over this object's life
         self.copied = 0
         #: seconds the ring waited for the writer before overwriting a lent row, in all
@@ -307,12 +327,21 @@ class SharedRows:
     def before_overwrite(self, slot: int) -> None:
         """Called by the ring before it writes `slot`: copy out a lent row of it the
         writer has not begun (`on_overwrite="copy"`; with "wait", have the writer take
-        it next and wait), or wait until the writer has finished one it is writing."""
+        it next and wait, copying it out after `max_wait_s` if the writer has still not
+        begun it), or wait until the writer has finished one it is writing."""
         with self._cond:
-            for name, entry in list(self._rows.items()):  # the wait below lets go
+            for name, entry in list(self._rows.items()):  # the waits below let go
                 if entry[0] != slot or entry[1] == self.DONE or self._arrays is None:
                     continue
-                if entry[1] == self.PENDING and self.on_overwrite == "copy":
+                start = time.perf_counter()
+                if entry[1] == self.PENDING and self.on_overwrite == "wait":
+                    self._wanted.append(name)
+                    self._cond.notify_all()
+                    self._cond.wait_for(_begun(entry), timeout=self.max_wait_s)
+                    if entry[1] == self.PENDING:  # not begun in max_wait_s: copied below
+                        self._wanted.remove(name)
+                if entry[1] == self.PENDING and self._arrays is not None:
+                    self.waited_s += time.perf_counter() - start
                     view = self._arrays[name]
                     copy = BUFFERS.take(view.shape, view.dtype)
                     copy[...] = view
@@ -320,10 +349,6 @@ class SharedRows:
                     self.copied += 1
                     entry[1] = self.DONE  # the ring no longer holds what is written
                     continue
-                if entry[1] == self.PENDING:
-                    self._wanted.append(name)
-                    self._cond.notify_all()
-                start = time.perf_counter()
                 self._cond.wait_for(_done(entry))
                 self.waited_s += time.perf_counter() - start
 
@@ -359,6 +384,10 @@ class SharedRows:
 
 def _done(entry: list[Any]) -> Callable[[], bool]:
     return lambda: bool(entry[1] == SharedRows.DONE)
+
+
+def _begun(entry: list[Any]) -> Callable[[], bool]:
+    return lambda: bool(entry[1] != SharedRows.PENDING)
 
 
 _LENDER: contextvars.ContextVar[SharedRows | None] = contextvars.ContextVar(

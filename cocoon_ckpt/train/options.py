@@ -30,10 +30,11 @@ class JobOptions:
         on_precompute: Called as (rows done, rows in all) while coalesced embedding noise
             is precomputed (a fresh start only; a resume loads it).
         lent_rows: What a step does when it must overwrite a ring row that the checkpoint
-            being written has not written yet: "copy" it out (one ring row of memory
-            held until the version is written; the step does not wait) or "wait" for
-            the writer, which writes that row next (no row is ever copied: for jobs that
-            must stay within their memory). The stored bytes are the same either way
+            being written has not written yet: "wait" (default) for the writer, which
+            writes that row next (no row copied unless the writer has not begun it
+            within `format.snapshot.LENT_ROW_WAIT_S`, 2 s), or "copy" it out at once
+            (one ring row of memory held until the version is written; the step does
+            not wait for the disk). The stored bytes are the same either way
             (`Checkpointer`'s `lent_rows`).
     """
 
@@ -43,7 +44,7 @@ class JobOptions:
     takeover: bool = False
     allow: ResumeAllowances = ResumeAllowances()
     on_precompute: Callable[[int, int], None] | None = None
-    lent_rows: LentRowPolicy = "copy"
+    lent_rows: LentRowPolicy = "wait"
 
     def __post_init__(self) -> None:
         if self.key_file is not None and (not isinstance(self.key_file, str) or not self.key_file):

@@ -50,7 +50,8 @@ def _job(
     records.setdefault("metrics", TrainingMetrics().to_record(0))
     store = Store.open(str(tmp_path / f"{name}.zarr"))
     store.acquire_lease()
-    return trainer, Checkpointer(store, async_write=async_write, keep_last=3), records
+    ck = Checkpointer(store, async_write=async_write, keep_last=3, lent_rows="copy")
+    return trainer, ck, records
 
 
 def _arrays(ck: Checkpointer) -> dict[str, tuple[str, tuple[int, ...]]]:

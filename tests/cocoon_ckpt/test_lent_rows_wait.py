@@ -43,7 +43,14 @@ def _one_row_per_array(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ring_rows, "CHUNK_BYTES", 1)
 
 
-def _job(tmp_path: Path, name: str, *, async_write: bool, lent_rows: Any = "copy") -> Any:
+def _job(
+    tmp_path: Path,
+    name: str,
+    *,
+    async_write: bool,
+    lent_rows: Any = "copy",
+    wait_s: float | None = None,
+) -> Any:
     # mlp 20 -> 8192 -> 4: 204,804 parameters, a 0.8 MB ring row
     cfg = dataclasses.replace(
         job_config("mlp", bands=BANDS, steps=60), options={"hidden": 8192}, checkpoint_every=7
@@ -53,7 +60,11 @@ def _job(tmp_path: Path, name: str, *, async_write: bool, lent_rows: Any = "copy
     records.setdefault("metrics", TrainingMetrics().to_record(0))
     store = Store.open(str(tmp_path / f"{name}.zarr"))
     store.acquire_lease()
-    ck = Checkpointer(store, async_write=async_write, keep_last=3, lent_rows=lent_rows)
+    # the writer is held on events here: a step waits as long as it takes (no copy
+    # after LENT_ROW_WAIT_S) unless a test bounds it
+    ck = Checkpointer(
+        store, async_write=async_write, keep_last=3, lent_rows=lent_rows, lent_row_wait_s=wait_s
+    )
     return trainer, ck, records
 
 
