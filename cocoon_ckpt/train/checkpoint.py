@@ -148,9 +148,10 @@ def _background(
     At 8M the step after an asynchronous checkpoint was 0.80-1.26x a step after none
     (medians of 8 alternating pairs, 4 runs, load 1.5-5.6) against 1.00-1.42x at nice 10
     (5 runs), the writer's CPU in that step 20-35 ms against 60-85 (medians), the
-    training thread asleep at most 32 ms; 2 of 32 checkpoints found the last one still in flight (the longest
-    wait 188 ms, at load 5.6) against 0 of 32 at nice 10 and 1 of 24 for the paced
-    writer at nice 10 before (`bench/stall_pairs.py`, docs/benchmarks.md)."""
+    training thread asleep at most 32 ms. A job's next checkpoint found the last one
+    still in flight 2 times in 24 (the longest wait 188 ms, at load 5.6) against 0 in
+    24 at nice 10 and 1 in 24 (285 ms) for the paced writer at nice 10 before
+    (`bench/stall_pairs.py --cadence`, docs/benchmarks.md)."""
     init = _idle_priority if idle else _lower_priority if lowered else None
     return concurrent.futures.ThreadPoolExecutor(
         max_workers=1, thread_name_prefix=name, initializer=init
