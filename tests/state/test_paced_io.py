@@ -120,12 +120,12 @@ def test_reads_in_pieces_check_every_crc(
     root = tmp_path_factory.mktemp("r")
     backend = open_backend(str(root))
     arr = (np.arange(rows * width) % 97).astype(dtype).reshape(rows, width)
-    old = arrays.CHUNK_BYTES, arrays._PIECE, arrays._READ_PIECE
+    old = arrays.CHUNK_BYTES, arrays._PIECE
     arrays.CHUNK_BYTES = 3 * width * arr.dtype.itemsize + 1  # 3 rows a chunk, edge padded
     try:
         arrays.ensure_groups(backend, "g", "a", set())
         checksum, chunks = arrays.write_array(backend, "g", "a", arr)
-        arrays._PIECE = arrays._READ_PIECE = piece
+        arrays._PIECE = piece
         layout = (arr.shape, str(arr.dtype), chunks)
         got, crc = arrays.read_array(backend, "g", "a", layout, arrays.CHUNK_SEPARATOR)
         assert got.tobytes() == arr.tobytes() and crc == checksum == array_checksum(arr)
@@ -139,7 +139,7 @@ def test_reads_in_pieces_check_every_crc(
                     arrays.read_array(backend, "g", "a", layout, arrays.CHUNK_SEPARATOR)
             chunk.write_bytes(data)
     finally:
-        arrays.CHUNK_BYTES, arrays._PIECE, arrays._READ_PIECE = old
+        arrays.CHUNK_BYTES, arrays._PIECE = old
 
 
 @pytest.mark.parametrize("change", ["short", "long"])
