@@ -9,9 +9,9 @@ or below it), and what the training thread does with the extra wall time.
 bench/stall.py's job (the mlp example at ~`--dim` parameters) and its `async` case: a
 `Checkpointer` with the lowered writer, k = `--every`. Each pair is the step right after
 nothing (`plain`) and the step right after `save()` (`async`), each after k - 1 steps
-that move the ring on as a job's would, plain first in even pairs and async first in odd
-ones; the pair's ratio is async ÷ plain, and the median of the pairs' ratios is the
-figure. Every timed step is split by the kernel's own accounting of the training thread
+that move the ring on as a job's would, in an order rotated every second pair and
+reversed in odd ones (no mode always right after the same one); the pair's ratio is
+async ÷ plain, and the median of the pairs' ratios is the figure. Every timed step is split by the kernel's own accounting of the training thread
 (/proc/self/task/<tid>/schedstat): its CPU time, its time runnable but waiting for a core
 (the writer and the machine's other load on the cores), and the rest, asleep (the GIL
 held by another thread, a lock, I/O); beside it the CPU the other threads of the process
@@ -261,7 +261,14 @@ def run(args: argparse.Namespace, root: str) -> None:
     samples: dict[str, list[Sample]] = {m: [] for m in modes}
     for i in range(args.pairs):
         got: dict[str, Sample] = {}
-        turn = modes[i % len(modes) :] + modes[: i % len(modes)]
+        # rotated every second pair and reversed in odd ones, so that no mode always
+        # follows the same one: in plain rotations the mode listed after `plain` came
+        # right after it in every pair but one, and either writer measured 1.08-1.42
+        # there against 0.80-1.07 listed third (6 runs of 3 or 4 modes)
+        r = (i // 2) % len(modes)
+        turn = modes[r:] + modes[:r]
+        if i % 2:
+            turn.reverse()
         saved: dict[str, float] = {}
         for mode in turn:
             for _ in range(args.every - 1):  # the ring moves on as a job's would
