@@ -145,10 +145,11 @@ def _background(
     writer's own work is a copy and a crc in C that release the GIL, so it no longer
     holds the GIL long enough to stall the training thread from a core it cannot get,
     and it runs at SCHED_IDLE (`BULK_IDLE`): on what the training threads leave idle.
-    At 8M the step after an asynchronous checkpoint was 0.80-1.26x a step after none
-    (medians of 8 alternating pairs, 4 runs, load 1.5-5.6) against 1.00-1.42x at nice 10
-    (5 runs), the writer's CPU in that step 20-35 ms against 60-85 (medians), the
-    training thread asleep at most 32 ms. A job's next checkpoint found the last one
+    At 8M, each writer in the same place of runs with 3-4 modes, the step after an
+    asynchronous checkpoint was 1.24-1.26x a step after none (medians of 8 pairs) against
+    1.08-1.42x at nice 10 listed second, 0.80-0.90x against 1.00-1.07x listed third; the
+    writer's CPU in that step 20-35 ms against 60-85 (medians), the training thread
+    asleep at most 32 ms. A job's next checkpoint found the last one
     still in flight 2 times in 24 (the longest wait 188 ms, at load 5.6) against 0 in
     24 at nice 10 and 1 in 24 (285 ms) for the paced writer at nice 10 before
     (`bench/stall_pairs.py --cadence`, docs/benchmarks.md)."""
