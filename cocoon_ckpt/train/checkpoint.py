@@ -87,8 +87,9 @@ def _idle_priority() -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
-#: A large version's writer runs at SCHED_IDLE (`_idle_priority`); False: at nice 10.
-BULK_IDLE = True
+#: A large version's writer runs at SCHED_IDLE (`_idle_priority`) when True, at nice 10
+#: when False (the default: `_background` says why).
+BULK_IDLE = False
 
 
 #: The interpreter's thread switch interval while a job writes in the background.
@@ -142,17 +143,16 @@ def _background(
     took no longer (3.9 s against 4.3 s to commit).
 
     With the large files written by O_DIRECT (`state.local_backend.DIRECT_BYTES`) the
-    writer's own work is a copy and a crc in C that release the GIL, so it no longer
-    holds the GIL long enough to stall the training thread from a core it cannot get,
-    and it runs at SCHED_IDLE (`BULK_IDLE`): on what the training threads leave idle.
-    At 8M, each writer in the same place of runs with 3-4 modes, the step after an
-    asynchronous checkpoint was 1.24-1.26x a step after none (medians of 8 pairs) against
-    1.08-1.42x at nice 10 listed second, 0.80-0.90x against 1.00-1.07x listed third; the
-    writer's CPU in that step 20-35 ms against 60-85 (medians), the training thread
-    asleep at most 32 ms. A job's next checkpoint found the last one
-    still in flight 2 times in 24 (the longest wait 188 ms, at load 5.6) against 0 in
-    24 at nice 10 and 1 in 24 (285 ms) for the paced writer at nice 10 before
-    (`bench/stall_pairs.py --cadence`, docs/benchmarks.md)."""
+    writer's own work is a copy and a crc in C that release the GIL, so at SCHED_IDLE
+    (`BULK_IDLE`) it no longer stalls the training thread on a GIL held without a core
+    (asleep at most 32 ms). But it buys nothing measurable: at 8M, the modes' order
+    balanced, the step after an asynchronous checkpoint was 1.14 and 1.10x a step after
+    none at SCHED_IDLE against 1.13 and 1.14x at nice 10 (medians of 8 pairs, 2 runs,
+    load 0.9-2.0; the writer's CPU in that step 30-40 ms against 70), while a thread at
+    SCHED_IDLE gets a core only when nothing else wants one: a job's next checkpoint
+    found the last one still in flight 2 times in 24 (188 ms at most, load 5.6) against
+    0 in 24 at nice 10 (`bench/stall_pairs.py --cadence`, docs/benchmarks.md). So the
+    writer stays at nice 10."""
     init = _idle_priority if idle else _lower_priority if lowered else None
     return concurrent.futures.ThreadPoolExecutor(
         max_workers=1, thread_name_prefix=name, initializer=init
