@@ -50,6 +50,7 @@ from state import Store, local_backend
 
 DIRECT = local_backend.DIRECT_BYTES
 BULK_IDLE = checkpoint.BULK_IDLE
+_MATCH_STEPS = 200  # steps taken at most to reach a batch of the pair's size
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -143,8 +144,9 @@ class Sample:
         on0, wait0 = schedstat(me)
         faults0, switches0, machine0, vm0 = faults(me), switches(me), machine_cpu(), vmstat()
         t = time.perf_counter()
-        step()  # type: ignore[operator]
+        result = step()  # type: ignore[operator]
         self.wall = time.perf_counter() - t
+        self.batch = getattr(result, "batch_size", -1)  # Poisson: differs step to step
         on1, wait1 = schedstat(me)
         faults1 = faults(me)
         self.faults, self.system = faults1[0] - faults0[0], faults1[1] - faults0[1]
@@ -167,7 +169,7 @@ class Sample:
 
     def line(self) -> str:
         return (
-            f"wall {self.wall * 1e3:5.0f} ms = CPU {self.cpu * 1e3:5.0f} + waiting for a core "
+            f"batch {self.batch:3d}, wall {self.wall * 1e3:5.0f} ms = CPU {self.cpu * 1e3:5.0f} + waiting for a core "
             f"{self.runnable * 1e3:4.0f} ({self.preempted} preemptions) + asleep "
             f"{self.asleep * 1e3:4.0f}; its system time {self.system * 1e3:.0f} ms, {self.faults} "
             f"faults; writer CPU {self.writer * 1e3:4.0f}, "
@@ -270,9 +272,20 @@ def run(args: argparse.Namespace, root: str) -> None:
         if i % 2:
             turn.reverse()
         saved: dict[str, float] = {}
+        size: int | None = None  # the pair's batch size, set by its first timed step
         for mode in turn:
             for _ in range(args.every - 1):  # the ring moves on as a job's would
                 trainer.train_step()
+            # Batches are Poisson (the sampler's, seeded): a pair's steps are timed at the
+            # same batch size, more steps taken before the later ones until it comes up.
+            # Without this the steps after a checkpoint drew 146 examples against 114 in
+            # one run's 8 pairs, the same draws every run.
+            for _ in range(_MATCH_STEPS):
+                t_next = trainer.step_index
+                if size is None or len(trainer.sampler.batch(t_next)) == size:
+                    break
+                trainer.train_step()
+            size = len(trainer.sampler.batch(trainer.step_index))
             local_backend.DIRECT_BYTES = 0 if mode == "async-paced" else DIRECT
             if mode != "plain":
                 t = time.perf_counter()
