@@ -20,7 +20,7 @@ huge-page, compaction and direct-reclaim counters over the step, and the dirty a
 writeback pages of the page cache when the step ends. `--idle-writer` adds a third step
 to each pair, in turn: after a checkpoint of a second checkpointer whose writer thread runs
 at SCHED_IDLE (a core only when no other thread wants it) instead of nice 10.
-`async` is the library's default writer (nice 10, large files by O_DIRECT);
+`async` is the library's default writer (SCHED_IDLE, large files by O_DIRECT);
 `--nice-writer` adds a step after a checkpoint whose writer runs at nice 10
 (`checkpoint.BULK_IDLE = False`), `--paced-writer` one after a checkpoint written through
 the page cache (the paced writer, `state.local_backend.DIRECT_BYTES = 0`) at nice 10: the

@@ -87,9 +87,9 @@ def _idle_priority() -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
-#: A large version's writer runs at SCHED_IDLE (`_idle_priority`) when True, at nice 10
-#: when False (the default: `_background` says why).
-BULK_IDLE = False
+#: A large version's writer runs at SCHED_IDLE (`_idle_priority`) when True (the
+#: default: `_background` says why), at nice 10 when False.
+BULK_IDLE = True
 
 
 #: The interpreter's thread switch interval while a job writes in the background.
@@ -145,14 +145,15 @@ def _background(
     With the large files written by O_DIRECT (`state.local_backend.DIRECT_BYTES`) the
     writer's own work is a copy and a crc in C that release the GIL, so at SCHED_IDLE
     (`BULK_IDLE`) it no longer stalls the training thread on a GIL held without a core
-    (asleep at most 32 ms). But it buys nothing measurable: at 8M, the modes' order
-    balanced, the step after an asynchronous checkpoint was 1.14 and 1.10x a step after
-    none at SCHED_IDLE against 1.13 and 1.14x at nice 10 (medians of 8 pairs, 2 runs,
-    load 0.9-2.0; the writer's CPU in that step 30-40 ms against 70), while a thread at
-    SCHED_IDLE gets a core only when nothing else wants one: a job's next checkpoint
-    found the last one still in flight 2 times in 24 (188 ms at most, load 5.6) against
-    0 in 24 at nice 10 (`bench/stall_pairs.py --cadence`, docs/benchmarks.md). So the
-    writer stays at nice 10."""
+    (asleep at most 32 ms), and it runs on what the training threads leave idle. At 8M,
+    each pair's steps at the same batch size and the modes' order balanced, the step
+    after an asynchronous checkpoint was 1.00 and 1.01x a step after none at SCHED_IDLE
+    against 1.09 and 1.12x at nice 10 in the same runs (1.07, 1.13 in 2 more; medians of
+    8 pairs, load 1.5-2.1; the writer's CPU in that step 25-30 ms against 60-65). Its
+    cost: a thread at SCHED_IDLE gets a core only when nothing else wants one, so on a
+    machine busy beyond its cores a job's next checkpoint can find the last one still
+    in flight: 2 times in 24 (188 ms at most, load 5.6) against 0 in 24 at nice 10
+    (`bench/stall_pairs.py --cadence`, docs/benchmarks.md)."""
     init = _idle_priority if idle else _lower_priority if lowered else None
     return concurrent.futures.ThreadPoolExecutor(
         max_workers=1, thread_name_prefix=name, initializer=init
