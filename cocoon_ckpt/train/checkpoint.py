@@ -153,7 +153,7 @@ def _background(
     cost: a thread at SCHED_IDLE gets a core only when nothing else wants one, so on a
     machine busy beyond its cores a job's next checkpoint can find the last one still
     in flight: 2 times in 24 (188 ms at most, load 5.6) against 0 in 24 at nice 10
-    (`bench/stall_pairs.py --cadence`, docs/benchmarks.md)."""
+    (`bench/stall_pairs.py`'s cadence count, docs/benchmarks.md)."""
     init = _idle_priority if idle else _lower_priority if lowered else None
     return concurrent.futures.ThreadPoolExecutor(
         max_workers=1, thread_name_prefix=name, initializer=init
