@@ -20,9 +20,10 @@ huge-page, compaction and direct-reclaim counters over the step, and the dirty a
 writeback pages of the page cache when the step ends. `--idle-writer` adds a third step
 to each pair, in turn: after a checkpoint of a second checkpointer whose writer thread runs
 at SCHED_IDLE (a core only when no other thread wants it) instead of nice 10.
-`async` is the library's default writer (SCHED_IDLE, large files by O_DIRECT);
+`async` is the library's default writer (nice 10, large files by O_DIRECT);
 `--nice-writer` adds a step after a checkpoint whose writer runs at nice 10
-(`checkpoint.BULK_IDLE = False`), `--paced-writer` one after a checkpoint written through
+(`checkpoint.BULK_IDLE = False`: the default's twin since SCHED_IDLE became an opt-in
+again), `--paced-writer` one after a checkpoint written through
 the page cache (the paced writer, `state.local_backend.DIRECT_BYTES = 0`) at nice 10: the
 tree before O_DIRECT. The writer's CPU is its thread's and the background fsyncs'
 (`state-fsync`). `--cadence N` then runs each writer in turn as a job would, N

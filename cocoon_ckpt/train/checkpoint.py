@@ -87,9 +87,9 @@ def _idle_priority() -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
-#: A large version's writer runs at SCHED_IDLE (`_idle_priority`) when True (the
-#: default: `_background` says why), at nice 10 when False.
-BULK_IDLE = True
+#: A large version's writer runs at SCHED_IDLE (`_idle_priority`) when True, at nice 10
+#: when False (the default: `_background` says why).
+BULK_IDLE = False
 
 
 #: The interpreter's thread switch interval while a job writes in the background.
@@ -153,7 +153,14 @@ def _background(
     cost: a thread at SCHED_IDLE gets a core only when nothing else wants one, so on a
     machine busy beyond its cores a job's next checkpoint can find the last one still
     in flight: 2 times in 24 (188 ms at most, load 5.6) against 0 in 24 at nice 10
-    (`bench/stall_pairs.py`'s cadence count, docs/benchmarks.md)."""
+    (`bench/stall_pairs.py`'s cadence count, docs/benchmarks.md). And on a machine
+    whose cores are all taken by other processes it starves: with two busy loops at
+    nice 0 beside the 8M job, the step after an asynchronous checkpoint was 2.44-4.66x
+    a step after none at SCHED_IDLE, the training thread asleep 2.7-4.8 s on the writer
+    (the GIL it took between C calls, a lent row it had to write next), against
+    0.57-1.29x at nice 10 in the same pairs; an unprivileged thread cannot leave
+    SCHED_IDLE again to finish what a step waits for. So nice 10 is the default, and
+    SCHED_IDLE (`BULK_IDLE = True`) an opt-in for a machine that runs nothing else."""
     init = _idle_priority if idle else _lower_priority if lowered else None
     return concurrent.futures.ThreadPoolExecutor(
         max_workers=1, thread_name_prefix=name, initializer=init

@@ -1,6 +1,6 @@
-"""A large version's writer thread runs at SCHED_IDLE (and nice 10), or at nice 10 alone
-without `checkpoint.BULK_IDLE`; the epsilon's at nice 10 only; the priority changes no
-stored bit."""
+"""A large version's writer thread runs at nice 10 (the default), or at SCHED_IDLE (and
+nice 10) with `checkpoint.BULK_IDLE`; the epsilon's at nice 10 only; the priority changes
+no stored bit."""
 
 from __future__ import annotations
 
@@ -64,15 +64,16 @@ def test_the_large_version_writer_at_sched_idle_or_nice_10_stores_the_same_bits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(checkpoint, "BULK_BYTES", 1)  # every version counts as large
-    idle: list[tuple[str, int, int]] = []  # the default
+    nice: list[tuple[str, int, int]] = []  # the default
+    b = _write_two(str(tmp_path / "nice.zarr"), nice)
+    assert [n.split("_")[0] for n, _, _ in nice] == ["ckpt-bulk", "ckpt-bulk"]
+    assert all(policy == os.SCHED_OTHER and n >= 10 for _, policy, n in nice)
+
+    monkeypatch.setattr(checkpoint, "BULK_IDLE", True)
+    idle: list[tuple[str, int, int]] = []
     a = _write_two(str(tmp_path / "idle.zarr"), idle)
     assert [n.split("_")[0] for n, _, _ in idle] == ["ckpt-bulk", "ckpt-bulk"]
     assert all(policy == os.SCHED_IDLE and nice >= 10 for _, policy, nice in idle)
-
-    monkeypatch.setattr(checkpoint, "BULK_IDLE", False)
-    nice: list[tuple[str, int, int]] = []
-    b = _write_two(str(tmp_path / "nice.zarr"), nice)
-    assert all(policy == os.SCHED_OTHER and n >= 10 for _, policy, n in nice)
 
     assert len(_bits(a)) == 2 and _bits(a) == _bits(b)
     latest = a.latest()  # reads back, every chunk and checksum verified
