@@ -51,11 +51,11 @@ from cocoon_ckpt.format.snapshot import Snapshot
 from cocoon_ckpt.train.checkpoint import Checkpointer, take_snapshot
 from cocoon_ckpt.train.job_records import REQUIRED, job_records
 from cocoon_ckpt.train.runner import build_trainer
-from state import Store, local_backend
+from state import Store, file_writes
 from state import version as state_version
 from state.paths import version_prefix
 
-PACED = local_backend.PACE_BYTES
+PACED = file_writes.PACE_BYTES
 
 
 def np_save_all(folder: str, arrays: dict[str, np.ndarray]) -> None:
@@ -211,7 +211,7 @@ def full_and_restore(args: argparse.Namespace, root: str, cfg: JobConfig) -> Non
         txn.commit()
         return opened
 
-    # The paced writer (local_backend.PACE_BYTES, the default) and the same writer
+    # The paced writer (file_writes.PACE_BYTES, the default) and the same writer
     # writing each file in one go (PACE_BYTES = 0, what it did before 2026-12-05) take
     # turns with np.save in every round.
     t_ours: list[float] = []
@@ -220,7 +220,7 @@ def full_and_restore(args: argparse.Namespace, root: str, cfg: JobConfig) -> Non
     t_go: list[float] = []
     for i in range(args.rounds):
         for pace, into in ((PACED, t_ours), (0, t_go)):
-            local_backend.PACE_BYTES = pace
+            file_writes.PACE_BYTES = pace
             t = time.perf_counter()
             opened = ours_save(2 * i + (pace == 0), snap)
             into.append(time.perf_counter() - t - opened)
@@ -228,7 +228,7 @@ def full_and_restore(args: argparse.Namespace, root: str, cfg: JobConfig) -> Non
                 t_open.append(opened)
         folder = os.path.join(root, f"n{i}")
         t_np.append(timed(lambda f=folder, a=snap.arrays: np_save_all(f, a)))  # type: ignore[misc]
-    local_backend.PACE_BYTES = PACED
+    file_writes.PACE_BYTES = PACED
     mo, mn, mg = statistics.median(t_ours), statistics.median(t_np), statistics.median(t_go)
     with_open = statistics.median(o + c for o, c in zip(t_open, t_ours, strict=True))
     print(
@@ -427,7 +427,7 @@ def incremental(args: argparse.Namespace, root: str, cfg: JobConfig) -> None:
             ck.wait()  # the previous write is not the snapshot's cost
             # checkpoints take turns: paced writer, then each file in one go
             pace = 0 if pace else PACED
-            local_backend.PACE_BYTES = pace
+            file_writes.PACE_BYTES = pace
             # what the training thread pays: the snapshot; the write runs off it
             snaps.append(timed(lambda: ck.save(fresh, dict(records))))
     ck.close()
@@ -450,7 +450,7 @@ def incremental(args: argparse.Namespace, root: str, cfg: JobConfig) -> None:
         f"per incremental version: {len(files)} files (chunks and zarr.json); snapshot on the training "
         f"thread {np.median(snaps) * 1e3:.1f} ms median ({len(snaps)} checkpoints)"
     )
-    local_backend.PACE_BYTES = PACED
+    file_writes.PACE_BYTES = PACED
     for mode, label in ((PACED, "paced writer"), (0, "each file in one go")):
         if inflight[mode] and plain:
             steps = inflight[mode]

@@ -24,7 +24,7 @@ at SCHED_IDLE (a core only when no other thread wants it) instead of nice 10.
 `--nice-writer` adds a step after a checkpoint whose writer runs at nice 10
 (`checkpoint.BULK_IDLE = False`: the default's twin since SCHED_IDLE became an opt-in
 again), `--paced-writer` one after a checkpoint written through
-the page cache (the paced writer, `state.local_backend.DIRECT_BYTES = 0`) at nice 10: the
+the page cache (the paced writer, `state.file_writes.DIRECT_BYTES = 0`) at nice 10: the
 tree before O_DIRECT. The writer's CPU is its thread's and the background fsyncs'
 (`state-fsync`). `--cadence N` then runs each writer in turn as a job would, N
 checkpoints every k steps, and counts the `save()`s that found the last version still
@@ -47,9 +47,9 @@ from cocoon_ckpt.train import checkpoint
 from cocoon_ckpt.train.checkpoint import Checkpointer
 from cocoon_ckpt.train.job_records import job_records
 from cocoon_ckpt.train.runner import build_trainer
-from state import Store, local_backend
+from state import Store, file_writes
 
-DIRECT = local_backend.DIRECT_BYTES
+DIRECT = file_writes.DIRECT_BYTES
 BULK_IDLE = checkpoint.BULK_IDLE
 _MATCH_STEPS = 200  # steps taken at most to reach a batch of the pair's size
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -287,7 +287,7 @@ def run(args: argparse.Namespace, root: str) -> None:
                     break
                 trainer.train_step()
             size = len(trainer.sampler.batch(trainer.step_index))
-            local_backend.DIRECT_BYTES = 0 if mode == "async-paced" else DIRECT
+            file_writes.DIRECT_BYTES = 0 if mode == "async-paced" else DIRECT
             if mode != "plain":
                 t = time.perf_counter()
                 checkpointers[mode].save(trainer, dict(records))
@@ -295,7 +295,7 @@ def run(args: argparse.Namespace, root: str) -> None:
             got[mode] = Sample(trainer.train_step, mode != "plain")
             if mode != "plain":
                 checkpointers[mode].wait()  # the next step starts with no write in flight
-            local_backend.DIRECT_BYTES = DIRECT
+            file_writes.DIRECT_BYTES = DIRECT
         for mode in modes[1:]:
             ratios[mode].append(got[mode].wall / got["plain"].wall)
             cpu_ratios[mode].append(got[mode].cpu / got["plain"].cpu)
@@ -354,7 +354,7 @@ def cadence(
     for r in range(2):
         for mode in names[r % len(names) :] + names[: r % len(names)]:
             ck = checkpointers[mode]
-            local_backend.DIRECT_BYTES = 0 if mode == "async-paced" else DIRECT
+            file_writes.DIRECT_BYTES = 0 if mode == "async-paced" else DIRECT
             for _ in range(args.cadence):
                 for _ in range(args.every):
                     t = time.perf_counter()
@@ -365,7 +365,7 @@ def cadence(
                 ck.save(trainer, dict(records))  # type: ignore[arg-type]
                 waits[mode].append(time.perf_counter() - t)
             ck.wait()  # the next writer starts with nothing in flight (not counted)
-            local_backend.DIRECT_BYTES = DIRECT
+            file_writes.DIRECT_BYTES = DIRECT
     for mode in names:
         print(
             f"cadence, {mode}: {found[mode]} of {len(waits[mode])} save()s found the last "

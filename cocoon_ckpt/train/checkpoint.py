@@ -142,7 +142,7 @@ def _background(
     writer at nice 10 (4 alternating rounds, load 8, `bench/stall.py`), and the write
     took no longer (3.9 s against 4.3 s to commit).
 
-    With the large files written by O_DIRECT (`state.local_backend.DIRECT_BYTES`) the
+    With the large files written by O_DIRECT (`state.file_writes.DIRECT_BYTES`) the
     writer's own work is a copy and a crc in C that release the GIL, so at SCHED_IDLE
     (`BULK_IDLE`) it no longer stalls the training thread on a GIL held without a core
     (asleep at most 32 ms), and it runs on what the training threads leave idle. At 8M,

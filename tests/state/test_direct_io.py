@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from state import Store, arrays, local_backend
+from state import Store, arrays, file_writes
 
 _SIZES = st.lists(st.integers(0, 3 * 4096 + 7), min_size=1, max_size=4)
 
@@ -47,23 +47,23 @@ def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     """Direct writes from files of 8 KiB up, in 8 KiB pieces: many whole pieces, ragged
     tails, and chunks that stay below the threshold."""
     monkeypatch.setattr(arrays, "CHUNK_BYTES", 20_000)
-    monkeypatch.setattr(local_backend, "DIRECT_BYTES", 8192)
-    monkeypatch.setattr(local_backend, "_DIRECT_PIECE", 8192)
-    monkeypatch.setattr(local_backend, "PACE_BYTES", 4096)
-    monkeypatch.setattr(local_backend, "_PACE_WINDOW", 1)
+    monkeypatch.setattr(file_writes, "DIRECT_BYTES", 8192)
+    monkeypatch.setattr(file_writes, "_DIRECT_PIECE", 8192)
+    monkeypatch.setattr(file_writes, "PACE_BYTES", 4096)
+    monkeypatch.setattr(file_writes, "_PACE_WINDOW", 1)
 
 
 def _spy_direct(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Record every O_DIRECT write's length (the fd's flags checked at the write)."""
     seen: list[int] = []
-    real = local_backend.os.pwrite
+    real = file_writes.os.pwrite
 
     def pwrite(fd: int, data: memoryview, at: int) -> int:
         if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
             seen.append(len(data))
         return real(fd, data, at)
 
-    monkeypatch.setattr(local_backend.os, "pwrite", pwrite)
+    monkeypatch.setattr(file_writes.os, "pwrite", pwrite)
     return seen
 
 
@@ -77,11 +77,11 @@ def test_a_direct_version_holds_the_buffered_bytes(
     base = tmp_path if where == "tmp_path" else Path(where)
     root = Path(os.path.realpath(base)) / f"direct-{os.getpid()}-{tmp_path.name}"
     try:
-        monkeypatch.setattr(local_backend, "DIRECT_BYTES", 0)
-        monkeypatch.setattr(local_backend, "PACE_BYTES", 0)
+        monkeypatch.setattr(file_writes, "DIRECT_BYTES", 0)
+        monkeypatch.setattr(file_writes, "PACE_BYTES", 0)
         _version(str(tmp_path / "buffered.zarr"))
-        monkeypatch.setattr(local_backend, "DIRECT_BYTES", 8192)
-        monkeypatch.setattr(local_backend, "PACE_BYTES", 4096)
+        monkeypatch.setattr(file_writes, "DIRECT_BYTES", 8192)
+        monkeypatch.setattr(file_writes, "PACE_BYTES", 4096)
         seen = _spy_direct(monkeypatch)
         _version(str(root / "direct.zarr"))
         buffered, direct = _files(tmp_path / "buffered.zarr"), _files(root / "direct.zarr")
@@ -105,12 +105,12 @@ def test_direct_write_writes_every_part_in_order(
     sizes: list[int],
     piece: int,
 ) -> None:
-    monkeypatch.setattr(local_backend, "_DIRECT_PIECE", piece)
+    monkeypatch.setattr(file_writes, "_DIRECT_PIECE", piece)
     parts = _parts(sizes)
     path = tmp_path_factory.mktemp("d") / "f"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        local_backend._write_direct(fd, [memoryview(p) for p in parts], sum(sizes))
+        file_writes._write_direct(fd, [memoryview(p) for p in parts], sum(sizes))
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -138,9 +138,9 @@ def test_a_refused_direct_write_goes_on_through_the_page_cache(
     flag but not the alignment) or writes `short_by` bytes less than asked (really, to
     the file): the rest is written buffered from where it stopped and the file is the
     parts' bytes, its size exact."""
-    monkeypatch.setattr(local_backend, "_DIRECT_PIECE", 4096)
-    monkeypatch.setattr(local_backend, "PACE_BYTES", 1000)
-    monkeypatch.setattr(local_backend, "_PACE_WINDOW", 1)
+    monkeypatch.setattr(file_writes, "_DIRECT_PIECE", 4096)
+    monkeypatch.setattr(file_writes, "PACE_BYTES", 1000)
+    monkeypatch.setattr(file_writes, "_PACE_WINDOW", 1)
     calls = [0]
     real = os.pwrite
 
@@ -154,12 +154,12 @@ def test_a_refused_direct_write_goes_on_through_the_page_cache(
             return real(fd, data[: max(0, len(data) - short_by)], at)
         return real(fd, data, at)
 
-    monkeypatch.setattr(local_backend.os, "pwrite", pwrite)
+    monkeypatch.setattr(file_writes.os, "pwrite", pwrite)
     parts = _parts(sizes)
     path = tmp_path_factory.mktemp("r") / "f"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        local_backend._write_direct(fd, [memoryview(p) for p in parts], sum(sizes))
+        file_writes._write_direct(fd, [memoryview(p) for p in parts], sum(sizes))
         assert not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT or calls[0] <= refuse_at
         os.fsync(fd)
     finally:
@@ -180,19 +180,19 @@ def test_a_filesystem_refusing_o_direct_gets_the_paced_write(
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
         return real(fd, cmd, arg)
 
-    monkeypatch.setattr(local_backend.fcntl, "fcntl", refusing)
+    monkeypatch.setattr(file_writes.fcntl, "fcntl", refusing)
     seen = _spy_direct(monkeypatch)
     paced: list[int] = []
-    real_paced = local_backend._write_paced
+    real_paced = file_writes._write_paced
 
     def spy_paced(fd: int, parts: list[memoryview], pace: int, *, start: int = 0) -> None:
         paced.append(pace)
         real_paced(fd, parts, pace, start=start)
 
-    monkeypatch.setattr(local_backend, "_write_paced", spy_paced)
+    monkeypatch.setattr(file_writes, "_write_paced", spy_paced)
     _version(str(tmp_path / "refused.zarr"))
-    monkeypatch.setattr(local_backend, "DIRECT_BYTES", 0)
-    monkeypatch.setattr(local_backend, "PACE_BYTES", 0)
+    monkeypatch.setattr(file_writes, "DIRECT_BYTES", 0)
+    monkeypatch.setattr(file_writes, "PACE_BYTES", 0)
     _version(str(tmp_path / "buffered.zarr"))
     assert seen == [] and paced
     assert _files(tmp_path / "refused.zarr") == _files(tmp_path / "buffered.zarr")
@@ -215,8 +215,8 @@ def test_direct_files_are_still_fsynced_before_the_commit(
         events.append("link " + str(dst))
         real_link(src, dst)
 
-    monkeypatch.setattr(local_backend.os, "fsync", fsync)
-    monkeypatch.setattr(local_backend.os, "link", link)
+    monkeypatch.setattr(file_writes.os, "fsync", fsync)
+    monkeypatch.setattr(file_writes.os, "link", link)
     seen = _spy_direct(monkeypatch)
     _version(str(tmp_path / "s.zarr"))
     assert seen

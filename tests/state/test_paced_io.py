@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from state import Store, arrays, local_backend
+from state import Store, arrays, file_writes
 from state.checksum import array_checksum, crc32c_combine
 from state.open import open_backend
 
@@ -43,10 +43,10 @@ def test_a_paced_version_holds_the_same_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pace: int
 ) -> None:
     monkeypatch.setattr(arrays, "CHUNK_BYTES", 4096)  # ragged, padded edge chunks
-    monkeypatch.setattr(local_backend, "PACE_BYTES", 0)
+    monkeypatch.setattr(file_writes, "PACE_BYTES", 0)
     _version(str(tmp_path / "whole.zarr"))
-    monkeypatch.setattr(local_backend, "PACE_BYTES", pace)
-    monkeypatch.setattr(local_backend, "_PACE_WINDOW", 2)  # waits and drops start early
+    monkeypatch.setattr(file_writes, "PACE_BYTES", pace)
+    monkeypatch.setattr(file_writes, "_PACE_WINDOW", 2)  # waits and drops start early
     _version(str(tmp_path / "paced.zarr"))
     whole, paced = _files(tmp_path / "whole.zarr"), _files(tmp_path / "paced.zarr")
     # manifests carry the time and the lease: compare every other file bit for bit
@@ -71,13 +71,13 @@ def test_paced_write_writes_every_part_in_order(
     parts = [bytes((i * 7 + j) % 251 for j in range(n)) for i, n in enumerate(sizes)]
     path = tmp_path_factory.mktemp("p") / "f"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    old = local_backend._PACE_WINDOW
-    local_backend._PACE_WINDOW = window
+    old = file_writes._PACE_WINDOW
+    file_writes._PACE_WINDOW = window
     try:
-        local_backend._write_paced(fd, [memoryview(p) for p in parts], pace)
+        file_writes._write_paced(fd, [memoryview(p) for p in parts], pace)
         os.fsync(fd)
     finally:
-        local_backend._PACE_WINDOW = old
+        file_writes._PACE_WINDOW = old
         os.close(fd)
     assert path.read_bytes() == b"".join(parts)
 
@@ -87,7 +87,7 @@ def test_staged_files_are_still_fsynced_before_the_commit(
 ) -> None:
     """Pacing starts writebacks early; the fsync of every file before the manifest is
     still the commit's."""
-    monkeypatch.setattr(local_backend, "PACE_BYTES", 1024)
+    monkeypatch.setattr(file_writes, "PACE_BYTES", 1024)
     synced: set[str] = set()
     real = os.fsync
 
@@ -95,7 +95,7 @@ def test_staged_files_are_still_fsynced_before_the_commit(
         synced.add(os.readlink(f"/proc/self/fd/{fd}"))
         real(fd)
 
-    monkeypatch.setattr(local_backend.os, "fsync", fsync)
+    monkeypatch.setattr(file_writes.os, "fsync", fsync)
     backend = open_backend(str(tmp_path))
     arrays.ensure_groups(backend, "g", "a", set())
     arrays.write_array(backend, "g", "a", np.arange(5000, dtype=np.float64))
