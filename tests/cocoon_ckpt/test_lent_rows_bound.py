@@ -17,13 +17,19 @@ import pytest
 
 from cocoon_ckpt.format import ring_rows
 from cocoon_ckpt.format.snapshot import LENT_ROW_WAIT_S, SharedRows, lend_row
-from cocoon_ckpt.format.stored import records_of
 from cocoon_ckpt.tiers.history import TieredHistory
 from cocoon_ckpt.train.checkpoint import Checkpointer
 from cocoon_ckpt.train.options import JobOptions
 from state import Store
 
-from .test_lent_rows_wait import BANDS, _arrays, _hold_writer, _job
+from .test_lent_rows_wait import (
+    BANDS,
+    _arrays,
+    _assert_rows_as_seen,
+    _hold_writer,
+    _job,
+    _written_synchronously,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -109,21 +115,10 @@ def test_a_held_writer_costs_each_step_the_bound_and_the_bytes_stay(tmp_path: Pa
         assert ck._lent.copied == BANDS - 1
         gate.set()
         ck.wait()
-        version = ck.store.read(ck.store.versions()[-1], verify=True)
-        (shard,) = records_of(version.manifest)["noise"]["shards"]
-        for ref in ring_rows.slot_refs(shard["slots"]):  # what the snapshot saw
-            assert np.array_equal(ring_rows.slot_values(version, ref), before[ref.slot])
+        _assert_rows_as_seen(ck, before)
         stored = _arrays(ck)
     finally:
         gate.set()
         ck.close()
         trainer.close()
-    twin, sync, _ = _job(tmp_path, "twin", async_write=False)
-    try:
-        for _ in range(2 * BANDS):
-            twin.train_step()
-        sync.save(twin, dict(records))
-        assert _arrays(sync) == stored
-    finally:
-        sync.close()
-        twin.close()
+    assert _written_synchronously(tmp_path, "twin", records) == stored

@@ -73,6 +73,30 @@ def _arrays(ck: Checkpointer) -> dict[str, tuple[str, tuple[int, ...]]]:
     return {n: (m.checksum, m.shape) for n, m in version.manifest.arrays.items()}
 
 
+def _assert_rows_as_seen(ck: Checkpointer, before: np.ndarray) -> None:
+    """The newest version's ring rows are, bit for bit, those the snapshot saw."""
+    version = ck.store.read(ck.store.versions()[-1], verify=True)
+    (shard,) = records_of(version.manifest)["noise"]["shards"]
+    for ref in ring_rows.slot_refs(shard["slots"]):
+        assert np.array_equal(ring_rows.slot_values(version, ref), before[ref.slot])
+
+
+def _written_synchronously(
+    tmp_path: Path, name: str, records: dict[str, Any]
+) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The arrays of the same version (2 * BANDS steps in) written synchronously by a
+    twin job."""
+    twin, sync, _ = _job(tmp_path, name, async_write=False)
+    try:
+        for _ in range(2 * BANDS):
+            twin.train_step()
+        sync.save(twin, dict(records))
+        return _arrays(sync)
+    finally:
+        sync.close()
+        twin.close()
+
+
 def _hold_writer(ck: Checkpointer, gate: threading.Event) -> None:
     """The writer waits for `gate` before it begins a version."""
     write = ck._write
@@ -203,10 +227,7 @@ def test_a_step_over_a_lent_row_copies_or_waits_and_the_stored_bytes_are_the_sam
             assert rows.copied == BANDS - 1  # the writer never ran: every row copied
             assert held >= (BANDS - 1) * row, (held, row)
         ck.wait()
-        version = ck.store.read(ck.store.versions()[-1], verify=True)
-        (shard,) = records_of(version.manifest)["noise"]["shards"]
-        for ref in ring_rows.slot_refs(shard["slots"]):  # what the snapshot saw
-            assert np.array_equal(ring_rows.slot_values(version, ref), before[ref.slot])
+        _assert_rows_as_seen(ck, before)
         stored = _arrays(ck)
     finally:
         gate.set()
@@ -214,15 +235,7 @@ def test_a_step_over_a_lent_row_copies_or_waits_and_the_stored_bytes_are_the_sam
         trainer.close()
 
     # the same version written synchronously by the same job: the same bytes
-    twin, sync, _ = _job(tmp_path, f"twin-{policy}", async_write=False)
-    try:
-        for _ in range(2 * BANDS):
-            twin.train_step()
-        sync.save(twin, dict(records))
-        assert _arrays(sync) == stored
-    finally:
-        sync.close()
-        twin.close()
+    assert _written_synchronously(tmp_path, f"twin-{policy}", records) == stored
 
 
 def test_a_failed_writer_lets_a_waiting_step_go_on(tmp_path: Path) -> None:
